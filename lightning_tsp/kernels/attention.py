@@ -1,0 +1,206 @@
+"""Attention kernel backends for TSP's zigzag calls.
+
+Every call is "a block of Lq queries against a K/V prefix of Lk >= Lq keys, causal mask aligned BOTTOM-RIGHT":
+query i may see keys j <= i + (Lk - Lq). Layout: q [B, Hq, Lq, d], k/v [B, Hkv, Lk, d], Hq a multiple of Hkv
+(GQA: K/V are never expanded before communication; a backend may expand them locally).
+
+``forward`` runs without autograd and returns ``(o, lse)`` (lse [B, Hq, Lq] in fp32, or None when the backend
+does not expose it). ``backward`` returns ``(dq, dk, dv)``; the default recomputes the forward under autograd
+(kernels without a public backward entry point), the math backend uses the saved log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _expand_kv(k: Tensor, n_heads: int) -> Tensor:
+    g = n_heads // k.shape[1]
+    return k if g == 1 else k.repeat_interleave(g, dim=1)
+
+
+def _lower_right_mask(lq: int, lk: int, device) -> Tensor:
+    """Boolean [Lq, Lk] mask, True where query i may attend key j (bottom-right aligned causal)."""
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
+    return j <= i + (lk - lq)
+
+
+class AttentionKernel:
+    name = "base"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        with torch.no_grad():
+            return self.differentiable(q, k, v)
+
+    def differentiable(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError
+
+    def backward(self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor | None):
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out, _ = self.differentiable(q_, k_, v_)
+            return torch.autograd.grad(out, (q_, k_, v_), do)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class MathAttention(AttentionKernel):
+    """Reference math in fp32 (fp64 stays fp64), explicit forward and backward, GQA without expanding K/V."""
+
+    name = "math"
+
+    @staticmethod
+    def _scores(q, k):
+        b, hq, lq, d = q.shape
+        hkv, lk = k.shape[1], k.shape[2]
+        dt = torch.promote_types(q.dtype, torch.float32)
+        qg = q.to(dt).view(b, hkv, hq // hkv, lq, d)  # [B, Hkv, g, Lq, d]
+        s = (qg @ k.to(dt).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [B, Hkv, g, Lq, Lk]
+        s = s.masked_fill(~_lower_right_mask(lq, lk, q.device), float("-inf"))
+        return qg, s
+
+    def differentiable(self, q, k, v):
+        b, hq, lq, d = q.shape
+        _, s = self._scores(q, k)
+        lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, g, Lq]
+        p = torch.exp(s - lse.unsqueeze(-1))
+        o = p @ v.to(p.dtype).unsqueeze(2)  # [B, Hkv, g, Lq, d]
+        return o.reshape(b, hq, lq, d).to(q.dtype), lse.reshape(b, hq, lq)
+
+    def backward(self, do, q, k, v, o, lse):
+        b, hq, lq, d = q.shape
+        hkv = k.shape[1]
+        qg, s = self._scores(q, k)
+        dt = s.dtype
+        p = torch.exp(s - lse.view(b, hkv, hq // hkv, lq, 1).to(dt))
+        dog = do.to(dt).view(b, hkv, hq // hkv, lq, d)
+        og = o.to(dt).view_as(dog)
+        vv = v.to(dt).unsqueeze(2)
+        dv = (p.transpose(-1, -2) @ dog).sum(2)  # [B, Hkv, Lk, d]
+        dp = dog @ vv.transpose(-1, -2)
+        ds = p * (dp - (dog * og).sum(-1, keepdim=True)) * (1.0 / math.sqrt(d))
+        dq = ds @ k.to(dt).unsqueeze(2)
+        dk = (ds.transpose(-1, -2) @ qg).sum(2)
+        return dq.reshape(b, hq, lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class SDPAAttention(AttentionKernel):
+    """PyTorch SDPA with an explicit bottom-right causal mask (CPU default; portable CUDA fallback).
+
+    ``is_causal=True`` would be top-left aligned and wrong for a query block against a longer prefix.
+    """
+
+    name = "sdpa"
+
+    def differentiable(self, q, k, v):
+        lq, lk = q.shape[2], k.shape[2]
+        hq = q.shape[1]
+        if q.is_cuda:
+            from torch.nn.attention.bias import causal_lower_right
+
+            # The fused CUDA paths do not all take enable_gqa with a lower-right bias: expand locally.
+            o = F.scaled_dot_product_attention(
+                q, _expand_kv(k, hq), _expand_kv(v, hq), attn_mask=causal_lower_right(lq, lk)
+            )
+        else:
+            mask = _lower_right_mask(lq, lk, q.device)
+            o = F.scaled_dot_product_attention(q, _expand_kv(k, hq), _expand_kv(v, hq), attn_mask=mask)
+        return o, None
+
+
+def _cudnn_attention(q, k, v, is_causal: bool):
+    """cuDNN SDPA returning (out, lse [B, H, L] fp32). Private ATen op: callers guard it."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False)
+    o, lse = out[0], out[1]
+    return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2]).float()
+
+
+class CudnnSplitAttention(AttentionKernel):
+    """Hopper fast path: prefix part non-causal + own-chunk part square causal, both on cuDNN, one fp32 merge.
+
+    For a block of Lq queries against Lk keys the first Lk - Lq keys are fully visible (non-causal call) and the
+    last Lq keys form a square causal block. The two partial results are merged once with their log-sum-exps
+    in fp32 (not a ring-style chain of merges).
+    """
+
+    name = "cudnn-split"
+
+    def differentiable(self, q, k, v):
+        lq, lk, hq = q.shape[2], k.shape[2], q.shape[1]
+        k, v = _expand_kv(k, hq), _expand_kv(v, hq)
+        own_o, own_lse = _cudnn_attention(q, k[:, :, lk - lq :], v[:, :, lk - lq :], True)
+        if lk == lq:
+            return own_o, own_lse
+        pre_o, pre_lse = _cudnn_attention(q, k[:, :, : lk - lq], v[:, :, : lk - lq], False)
+        lse = torch.logaddexp(own_lse, pre_lse)
+        o = own_o.float() * torch.exp(own_lse - lse).unsqueeze(-1) + pre_o.float() * torch.exp(pre_lse - lse).unsqueeze(-1)
+        return o.to(q.dtype), lse
+
+
+class FlashAttention(AttentionKernel):
+    """flash-attn's ``flash_attn_func`` (bottom-right causal, native GQA); imported lazily."""
+
+    name = "flash-attn"
+
+    def differentiable(self, q, k, v):
+        from flash_attn import flash_attn_func
+
+        o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return o.transpose(1, 2), None
+
+
+KERNELS = {k.name: k for k in (MathAttention, SDPAAttention, CudnnSplitAttention, FlashAttention)}
+
+
+def _flash_attn_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _cudnn_split_works(device) -> bool:
+    """The private cuDNN op exists and runs here (checked once on a tiny bf16 input)."""
+    try:
+        q = torch.randn(1, 1, 64, 64, device=device, dtype=torch.bfloat16)
+        _cudnn_attention(q, q, q, True)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not available", the portable path is used
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def available_kernels(device: torch.device) -> list[str]:
+    names = ["math", "sdpa"]
+    if device.type == "cuda":
+        if _cudnn_split_works(device):
+            names.append("cudnn-split")
+        if _flash_attn_importable():
+            names.append("flash-attn")
+    return names
+
+
+def select_attention_kernel(
+    device: torch.device | str, name: str = "auto", dtype: torch.dtype = torch.bfloat16
+) -> AttentionKernel:
+    """``auto``: on CUDA in bf16/fp16, flash-attn when importable, else the cuDNN split; otherwise SDPA with an
+    explicit bottom-right mask (the fused half-precision kernels do not take fp32)."""
+    device = torch.device(device)
+    if name != "auto":
+        if name not in KERNELS:
+            raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)} or 'auto'")
+        if name in ("cudnn-split", "flash-attn") and name not in available_kernels(device):
+            raise ValueError(f"attention kernel {name!r} is not available on {device}")
+        return KERNELS[name]()
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        avail = available_kernels(device)
+        for choice in ("flash-attn", "cudnn-split"):
+            if choice in avail:
+                return KERNELS[choice]()
+    return SDPAAttention()

@@ -1,0 +1,202 @@
+"""TSP attention: the broadcast schedule (DESIGN.md sections 1 and 2).
+
+For each owner j (same order on every rank) the packed shard [Wq_j; Wk_j; Wv_j; Wo_j] is broadcast; every rank
+projects its local tokens, rotates q/k with their global positions, all-gathers k/v over the sequence (KV-head
+width only), runs its two zigzag chunks against their causal K/V prefixes and accumulates y += o_j Wo_j^T.
+No all-reduce. Backward re-broadcasts the shards, re-gathers K/V (never saved), reduce-scatters dK/dV to the
+token owners and reduces the weight-gradient partials onto owner j in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_tsp.group import TSPGroup
+from lightning_tsp.kernels.attention import AttentionKernel, select_attention_kernel
+from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
+from lightning_tsp.schedules.broadcast import broadcast_shards, reduce_to_owner
+from lightning_tsp.schedules.comm import all_gather, pack, reduce_scatter, unpack
+
+
+@dataclass(frozen=True)
+class _AttnSpec:
+    tsp: TSPGroup
+    n_heads: int  # local query heads
+    n_kv_heads: int  # local KV heads
+    head_dim: int
+    kernel: AttentionKernel
+
+
+# ---- K/V exchange over the sequence (zigzag <-> natural order) -------------------------------------------
+
+
+def gather_kv(k: Tensor, v: Tensor, tsp: TSPGroup) -> tuple[Tensor, Tensor]:
+    """Local k, v [B, Hkv, 2c, d] (zigzag chunks p, 2D-1-p) -> full-sequence k, v [B, Hkv, S, d], natural order."""
+    d = tsp.size
+    if d == 1:
+        return k, v
+    b, h, l, hd = k.shape
+    send = torch.stack([k, v])  # [2, B, Hkv, 2c, d]
+    out = torch.empty(d * send.numel(), dtype=send.dtype, device=send.device)
+    all_gather(out, send.view(-1), tsp)
+    out = out.view(d, 2, b, h, 2, l // 2, hd)
+    # first chunks arrive as 0..D-1, second chunks as 2D-1..D: reverse those
+    natural = torch.cat([out[:, :, :, :, 0], out[:, :, :, :, 1].flip(0)], dim=0)  # [2D, 2, B, Hkv, c, d]
+    natural = natural.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, d * l, hd)
+    return natural[0], natural[1]
+
+
+def scatter_kv_grad(dk: Tensor, dv: Tensor, tsp: TSPGroup) -> tuple[Tensor, Tensor]:
+    """Full-sequence dK, dV [B, Hkv, S, d] (natural order, fp32) -> summed over the group, this rank's tokens."""
+    d = tsp.size
+    if d == 1:
+        return dk, dv
+    b, h, s, hd = dk.shape
+    c = s // (2 * d)
+    g = torch.stack([dk, dv]).view(2, b, h, 2 * d, c, hd)
+    per_rank = torch.stack([g[:, :, :, :d], g[:, :, :, d:].flip(3)], dim=4)  # [2, B, Hkv, D, 2, c, d]
+    send = per_rank.permute(3, 0, 1, 2, 4, 5, 6).contiguous()  # [D, 2, B, Hkv, 2, c, d]
+    out = torch.empty(send[0].numel(), dtype=send.dtype, device=send.device)
+    reduce_scatter(out, send.view(-1), tsp)
+    out = out.view(2, b, h, 2 * c, hd)
+    return out[0], out[1]
+
+
+# ---- the zigzag attention calls -------------------------------------------------------------------------
+
+
+def _chunk_calls(s: int, tsp: TSPGroup):
+    """(query slice, key-prefix length) for this rank's two chunks; one call when D == 1."""
+    if tsp.size == 1:
+        return [(slice(0, s), s)]
+    c = s // (2 * tsp.size)
+    p = tsp.rank
+    return [(slice(0, c), (p + 1) * c), (slice(c, 2 * c), (2 * tsp.size - p) * c)]
+
+
+def zigzag_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, tsp: TSPGroup):
+    """Local queries q [B, Hq, 2c, d] against full K/V [B, Hkv, S, d]: one call per local chunk."""
+    outs, lses = [], []
+    for qs, kv_len in _chunk_calls(k.shape[2], tsp):
+        o, lse = kernel.forward(q[:, :, qs], k[:, :, :kv_len], v[:, :, :kv_len])
+        outs.append(o)
+        lses.append(lse)
+    lse = None if lses[0] is None else torch.cat(lses, dim=2)
+    return torch.cat(outs, dim=2), lse
+
+
+def zigzag_attention_backward(kernel, do, q, k, v, o, lse, tsp: TSPGroup):
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32 if k.dtype != torch.float64 else k.dtype, device=k.device)
+    dv = torch.zeros_like(dk)
+    for qs, kv_len in _chunk_calls(k.shape[2], tsp):
+        lse_c = None if lse is None else lse[:, :, qs]
+        dq_c, dk_c, dv_c = kernel.backward(
+            do[:, :, qs], q[:, :, qs], k[:, :, :kv_len], v[:, :, :kv_len], o[:, :, qs], lse_c
+        )
+        dq[:, :, qs] = dq_c
+        dk[:, :, :kv_len] += dk_c
+        dv[:, :, :kv_len] += dv_c
+    return dq, dk, dv
+
+
+# ---- autograd function ----------------------------------------------------------------------------------
+
+
+def _heads(t2d: Tensor, b: int, l: int, n: int, d: int) -> Tensor:
+    return t2d.view(b, l, n, d).transpose(1, 2)  # [B*L, n*d] -> [B, n, L, d]
+
+
+def _flat(t: Tensor) -> Tensor:
+    b, n, l, d = t.shape
+    return t.transpose(1, 2).reshape(b * l, n * d)  # [B, n, L, d] -> [B*L, n*d]
+
+
+class BroadcastAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, wo, cos, sin, spec: _AttnSpec):
+        b, l, h = x.shape
+        tsp, nq, nkv, hd = spec.tsp, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        x2 = x.reshape(b * l, h)
+        shapes = [wq.shape, wk.shape, wv.shape, wo.shape]
+        local = pack([wq, wk, wv, wo], x.dtype)  # weights travel in the compute dtype
+        y = torch.zeros_like(x2)
+        saved = []
+        for _, buf in broadcast_shards(tsp, local):
+            w_q, w_k, w_v, w_o = unpack(buf, shapes)
+            q = apply_rope(_heads(x2 @ w_q.T, b, l, nq, hd), cos, sin)  # [B, nq, L, d]
+            k = apply_rope(_heads(x2 @ w_k.T, b, l, nkv, hd), cos, sin)  # [B, nkv, L, d]
+            v = _heads(x2 @ w_v.T, b, l, nkv, hd)
+            k_full, v_full = gather_kv(k, v, tsp)  # [B, nkv, S, d]
+            o, lse = zigzag_attention(spec.kernel, q, k_full, v_full, tsp)
+            del k_full, v_full
+            y.addmm_(_flat(o), w_o.T)
+            saved += [q, k, v, o, lse]
+        ctx.spec, ctx.shapes = spec, shapes
+        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, *saved)
+        return y.view(b, l, h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, shapes = ctx.spec, ctx.shapes
+        tsp, nq, nkv, hd = spec.tsp, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        x, wq, wk, wv, wo, cos, sin, *saved = ctx.saved_tensors
+        b, l, h = x.shape
+        x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
+        owner = reduce_to_owner(tsp)
+        local = pack([wq, wk, wv, wo], x.dtype)
+        for j, buf in broadcast_shards(tsp, local):
+            w_q, w_k, w_v, w_o = unpack(buf, shapes)
+            q, k, v, o, lse = saved[5 * j : 5 * j + 5]
+            d_wo = dy2.T @ _flat(o)  # [h, nq*d]
+            do = _heads(dy2 @ w_o, b, l, nq, hd)
+            k_full, v_full = gather_kv(k, v, tsp)  # re-gathered, never saved
+            dq, dk_full, dv_full = zigzag_attention_backward(spec.kernel, do, q, k_full, v_full, o, lse, tsp)
+            del k_full, v_full
+            dk, dv = scatter_kv_grad(dk_full, dv_full, tsp)  # to the token owners, fp32
+            dq2 = _flat(apply_rope_backward(dq, cos, sin))
+            dk2 = _flat(apply_rope_backward(dk.to(x.dtype), cos, sin))
+            dv2 = _flat(dv.to(x.dtype))
+            dx.addmm_(dq2, w_q).addmm_(dk2, w_k).addmm_(dv2, w_v)
+            owner.submit(j, pack([dq2.T @ x2, dk2.T @ x2, dv2.T @ x2, d_wo], acc_dtype))
+        grads = unpack(owner.result(), shapes)
+        d_w = [g.to(w.dtype) for g, w in zip(grads, (wq, wk, wv, wo))]
+        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None, None)
+
+
+class TSPAttention(nn.Module):
+    """Causal self-attention (MHA or GQA) whose q/k/v/o weights are sharded by head group over the TSP group.
+
+    Parameter names and layouts follow Hugging Face Llama (``q_proj.weight`` [n_heads*d, h], ...); this rank holds
+    rows [rank*n/D, (rank+1)*n/D) of q/k/v (heads) and the matching columns of ``o_proj``.
+    """
+
+    tsp_shard_dims = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1}
+
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, tsp: TSPGroup, kernel: str = "auto",
+                 head_dim: int | None = None, device=None, dtype=None):
+        super().__init__()
+        d = tsp.size
+        self.tsp, self.kernel_name = tsp, kernel
+        self.head_dim = head_dim or hidden_size // n_heads
+        self.n_heads, self.n_kv_heads = n_heads // d, n_kv_heads // d  # local
+        kw = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=False, **kw)
+        self.k_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=False, **kw)
+        self.v_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=False, **kw)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden_size, bias=False, **kw)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, S/D, h] (this rank's zigzag tokens), cos/sin [S/D, d] of their global positions."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        kernel = select_attention_kernel(x.device, self.kernel_name, dtype)
+        spec = _AttnSpec(self.tsp, self.n_heads, self.n_kv_heads, self.head_dim, kernel)
+        w = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
+        with torch.autocast(x.device.type, enabled=False):
+            return BroadcastAttention.apply(x.to(dtype), *w, cos.to(dtype), sin.to(dtype), spec)

@@ -1,0 +1,58 @@
+"""Vocab-sharded token embedding run as a ring: each vocab shard visits every rank's local tokens.
+
+Rank j owns rows [j*V/D, (j+1)*V/D). Forward moves weight shards (D-1 hops); backward moves only the fp32
+gradient accumulator (the lookup's gradient needs no weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_tsp.group import TSPGroup
+from lightning_tsp.schedules.ring import RingGradPass, ring_shards
+
+
+def _in_shard(ids: Tensor, lo: int, n: int) -> tuple[Tensor, Tensor]:
+    """(mask of ids in [lo, lo+n), row index clamped into the shard) without a host sync."""
+    mask = (ids >= lo) & (ids < lo + n)
+    return mask, (ids - lo).clamp(0, n - 1)
+
+
+class RingEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, tsp: TSPGroup, dtype: torch.dtype):
+        v_loc, h = weight.shape
+        out = torch.zeros(*ids.shape, h, dtype=dtype, device=weight.device)
+        for s, w in ring_shards(tsp, weight.to(dtype)):
+            mask, rows = _in_shard(ids, s * v_loc, v_loc)
+            out += torch.where(mask.unsqueeze(-1), w[rows], 0)
+        ctx.tsp = tsp
+        ctx.save_for_backward(ids, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        ids, weight = ctx.saved_tensors
+        v_loc, h = weight.shape
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        flat_ids, dflat = ids.reshape(-1), dout.reshape(-1, h).to(acc_dtype)
+        ring = RingGradPass(ctx.tsp, None, weight.numel(), weight.device, acc_dtype)
+        for s, _, acc in ring:
+            mask, rows = _in_shard(flat_ids, s * v_loc, v_loc)
+            acc.view(v_loc, h).index_add_(0, rows, dflat * mask.unsqueeze(-1))
+        return None, ring.grad.view(v_loc, h).to(weight.dtype), None, None
+
+
+class TSPEmbedding(nn.Module):
+    tsp_shard_dims = {"weight": 0}
+
+    def __init__(self, vocab_size: int, hidden_size: int, tsp: TSPGroup, device=None, dtype=None):
+        super().__init__()
+        self.tsp = tsp
+        self.weight = nn.Parameter(torch.empty(vocab_size // tsp.size, hidden_size, device=device, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids [B, S/D] -> embeddings [B, S/D, h] in the weight dtype (like nn.Embedding under autocast)."""
+        return RingEmbedding.apply(ids, self.weight, self.tsp, self.weight.dtype)

@@ -1,0 +1,79 @@
+"""TSP gated MLP (SwiGLU): the ring schedule.
+
+Rank j owns rows j of gate/up (intermediate dim) and the matching columns of down. The packed shard circulates
+around the ring; at each step a rank adds silu(x Wg_s^T) * (x Wu_s^T) Wd_s^T for the shard s it holds. Exact
+because SwiGLU is elementwise along the intermediate dim. No all-reduce. Backward: the ring runs again with the
+fp32 weight-gradient accumulator travelling with the shard (see :class:`RingGradPass`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_tsp.group import TSPGroup
+from lightning_tsp.schedules.comm import pack, unpack
+from lightning_tsp.schedules.ring import RingGradPass, ring_shards
+
+
+class RingMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup):
+        b, l, h = x.shape
+        x2 = x.reshape(b * l, h)
+        shapes = [w_gate.shape, w_up.shape, w_down.shape]
+        y = torch.zeros_like(x2)
+        saved = [None] * (2 * tsp.size)  # gate/up pre-activations [B*L, F/D], indexed by shard
+        for s, buf in ring_shards(tsp, pack([w_gate, w_up, w_down], x.dtype)):
+            wg, wu, wd = unpack(buf, shapes)
+            gate, up = x2 @ wg.T, x2 @ wu.T
+            y.addmm_(F.silu(gate) * up, wd.T)
+            saved[2 * s], saved[2 * s + 1] = gate, up
+        ctx.tsp, ctx.shapes = tsp, shapes
+        ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
+        return y.view(b, l, h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
+        tsp, shapes = ctx.tsp, ctx.shapes
+        b, l, h = x.shape
+        x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
+        local = pack([w_gate, w_up, w_down], x.dtype)
+        ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype)
+        for s, buf, acc in ring:
+            wg, wu, wd = unpack(buf, shapes)
+            gate, up = saved[2 * s], saved[2 * s + 1]
+            sig = torch.sigmoid(gate)
+            act = gate * sig  # silu(gate)
+            d_act = dy2 @ wd  # [B*L, F/D]
+            d_up = d_act * act
+            d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+            dx.addmm_(d_gate, wg).addmm_(d_up, wu)
+            acc += pack([d_gate.T @ x2, d_up.T @ x2, dy2.T @ (act * up)], acc_dtype)
+        d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
+        return (dx.view(b, l, h).to(x.dtype), *d_w, None)
+
+
+class TSPGatedMLP(nn.Module):
+    """SwiGLU MLP with Hugging Face Llama names; this rank holds intermediate rows [rank*F/D, (rank+1)*F/D)."""
+
+    tsp_shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tsp: TSPGroup, device=None, dtype=None):
+        super().__init__()
+        self.tsp = tsp
+        f = intermediate_size // tsp.size
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden_size, f, **kw)
+        self.up_proj = nn.Linear(hidden_size, f, **kw)
+        self.down_proj = nn.Linear(f, hidden_size, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return RingMLP.apply(x.to(dtype), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.tsp)

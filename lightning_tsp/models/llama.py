@@ -1,0 +1,245 @@
+"""The built-in Llama-style decoder, made of TSP layers.
+
+Parameter names mirror Hugging Face ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj.weight``, ...), so a
+full Hugging Face state dict loads with :meth:`TSPLlama.load_full_state_dict`. With ``tsp=None`` (D = 1) it is the
+plain unsharded model and issues no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from lightning_tsp.checks import TSPConfigError, check_model_shape
+from lightning_tsp.group import TSPGroup
+from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMHead, TSPRMSNorm
+from lightning_tsp.layers.rope import rope_cos_sin
+from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum
+from lightning_tsp.zigzag import IGNORE_INDEX, shard_batch
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    intermediate_size: int = 192
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    def num_params(self) -> int:
+        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = self.n_kv_heads * self.head_dim
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+        return self.n_layers * per_layer + v * h * (1 if self.tie_embeddings else 2) + h
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU tests and the quick-start demo (byte-level vocabulary).
+    "tiny": ModelConfig(),
+    # The paper's model: h 4096, 32 layers, 32 query / 32 KV heads, SwiGLU 16384 (about 8.6 B weights + vocab).
+    "paper-7b": ModelConfig(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                            intermediate_size=16384),
+    # Llama-3-8B shapes (GQA 32/8).
+    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             intermediate_size=14336, rope_theta=500000.0),
+}
+
+
+def get_config(preset: str, **overrides) -> ModelConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+class TSPDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
+        self.self_attn = TSPAttention(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, tsp, attention_kernel, **kw)
+        self.post_attention_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
+        self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.embed_tokens = TSPEmbedding(cfg.vocab_size, cfg.hidden_size, tsp, **kw)
+        self.layers = nn.ModuleList(TSPDecoderLayer(cfg, tsp, attention_kernel, **kw) for _ in range(cfg.n_layers))
+        self.norm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
+
+
+class TSPLlama(nn.Module):
+    """Llama-style causal LM whose every weight and every sequence are sharded over one TSP group.
+
+    ``forward`` takes this rank's zigzag slice of the batch (see :meth:`shard_batch`) and returns the loss: the
+    mean over all valid target tokens of the TSP group (the same number on every rank), with gradients equal to
+    the unsharded model's.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tsp: TSPGroup | None = None,
+        *,
+        attention_kernel: str = "auto",
+        activation_checkpointing: Literal["none", "full"] = "none",
+        token_chunk: int = 4096,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        tsp = tsp or TSPGroup.single()
+        check_model_shape(tsp_size=tsp.size, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                          hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                          vocab_size=cfg.vocab_size)
+        if activation_checkpointing not in ("none", "full"):
+            raise TSPConfigError(
+                f"activation_checkpointing={activation_checkpointing!r}; choose 'none' or 'full'"
+            )
+        self.cfg, self.tsp, self.activation_checkpointing = cfg, tsp, activation_checkpointing
+        kw = dict(device=device, dtype=dtype)
+        self.model = _Backbone(cfg, tsp, attention_kernel, **kw)
+        self.lm_head = TSPLMHead(cfg.vocab_size, cfg.hidden_size, tsp, token_chunk, tied=cfg.tie_embeddings, **kw)
+        if device is None or torch.device(device).type != "meta":
+            self.init_weights()
+
+    # ---- sharding metadata -------------------------------------------------------------------------------
+
+    def shard_dims(self) -> dict[str, int | None]:
+        """Every parameter name -> the dim it is sharded along over the TSP group (None: replicated)."""
+        out = {}
+        for mod_name, mod in self.named_modules():
+            dims = getattr(mod, "tsp_shard_dims", None)
+            if dims is None:
+                continue
+            for p_name, _ in mod.named_parameters():
+                out[f"{mod_name}.{p_name}" if mod_name else p_name] = dims.get(p_name)
+        return out
+
+    def full_shape(self, name: str) -> torch.Size:
+        p = self.get_parameter(name)
+        dim = self.shard_dims()[name]
+        shape = list(p.shape)
+        if dim is not None:
+            shape[dim] *= self.tsp.size
+        return torch.Size(shape)
+
+    def local_slice(self, name: str, full: Tensor) -> Tensor:
+        """This rank's shard of the full tensor of parameter ``name``."""
+        dim = self.shard_dims()[name]
+        if tuple(full.shape) != tuple(self.full_shape(name)):
+            raise TSPConfigError(
+                f"parameter {name!r}: the given tensor has shape {tuple(full.shape)}, the model expects the full "
+                f"shape {tuple(self.full_shape(name))}. Is the checkpoint from another model configuration?"
+            )
+        return full if dim is None else full.chunk(self.tsp.size, dim=dim)[self.tsp.rank]
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+        """Copy this rank's slices out of a full (unsharded) state dict, e.g. Hugging Face's."""
+        names = set(self.shard_dims())
+        if strict:
+            missing = sorted(names - set(state_dict))
+            if missing:
+                raise TSPConfigError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        for name in names & set(state_dict):
+            self.get_parameter(name).copy_(self.local_slice(name, state_dict[name]))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Normal(0, init_std) weights, ones for norms: the same full model whatever D and dtype (each rank draws
+        a parameter's full tensor from a seeded generator and keeps its slice, one parameter at a time)."""
+        for i, (name, p) in enumerate(sorted(self.named_parameters())):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
+            # drawn in fp32 whatever the parameter dtype: the same model in every precision
+            full = torch.empty(self.full_shape(name), device=p.device, dtype=torch.float32)
+            full.normal_(0.0, self.cfg.init_std, generator=g)
+            p.copy_(self.local_slice(name, full))
+
+    # ---- forward -----------------------------------------------------------------------------------------
+
+    def shard_batch(self, input_ids: Tensor, labels: Tensor | None = None):
+        """Global [B, S] batch (Hugging Face label convention) -> this rank's (input_ids, targets, position_ids)."""
+        return shard_batch(input_ids, labels, self.tsp.size, self.tsp.rank)
+
+    def _check_local(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor) -> None:
+        b, l = input_ids.shape
+        if targets.shape != input_ids.shape or position_ids.shape != (l,):
+            raise TSPConfigError(
+                f"input_ids {tuple(input_ids.shape)}, targets {tuple(targets.shape)} and position_ids "
+                f"{tuple(position_ids.shape)} do not match: expected [B, S/D], [B, S/D] and [S/D]"
+            )
+        if self.tsp.size > 1 and l % 2 != 0:
+            raise TSPConfigError(
+                f"local sequence length {l} is odd: a rank holds two zigzag chunks. Shard the batch with "
+                f"TSPLlama.shard_batch (global length a multiple of {2 * self.tsp.size})."
+            )
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Final-norm hidden states [B, S/D, h] of this rank's tokens."""
+        x = self.model.embed_tokens(input_ids)
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        for layer in self.model.layers:
+            if self.activation_checkpointing == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def token_losses(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor) -> Tensor:
+        """Per-token cross-entropy [B, S/D] (0 where the target is ignored), i.e. minus the target log-prob."""
+        self._check_local(input_ids, targets, position_ids)
+        h = self.hidden_states(input_ids, position_ids)
+        weight = self.model.embed_tokens.weight if self.cfg.tie_embeddings else None
+        return self.lm_head(h, targets, weight)
+
+    def forward(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor,
+                num_valid_tokens: Tensor | None = None) -> Tensor:
+        """Loss = sum of the group's token losses / ``num_valid_tokens`` (default: valid targets of the group).
+
+        Pass ``num_valid_tokens`` to normalise over a larger set (e.g. data-parallel replicas too).
+        """
+        losses = self.token_losses(input_ids, targets, position_ids)
+        if num_valid_tokens is None:
+            num_valid_tokens = (targets != IGNORE_INDEX).sum().to(torch.float64)
+            all_reduce_sum(num_valid_tokens, self.tsp)
+        total = losses.to(torch.promote_types(losses.dtype, torch.float32)).sum()
+        if self.tsp.size > 1:
+            total = SumOverGroup.apply(total, self.tsp)
+        return total / num_valid_tokens.clamp(min=1).to(total.dtype)
+
+
+def gather_full(local: Tensor, dim: int | None, tsp: TSPGroup) -> Tensor:
+    """All-gather a sharded tensor back to its full shape (replicated: returned as is). For tests and export."""
+    if dim is None or tsp.size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tsp.size)]
+    dist.all_gather(parts, local.contiguous(), group=tsp.group)
+    return torch.cat(parts, dim=dim)

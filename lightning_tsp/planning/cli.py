@@ -1,0 +1,138 @@
+"""``lightning-tsp plan``: rank parallel layouts for a model, sequence length and cluster.
+
+Example::
+
+    python -m lightning_tsp.planning --model paper-7b --seq-len 131072 --gpus 1024 --gpus-per-node 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .collectives import CHECKPOINTING
+from .hardware import HARDWARE_PRESETS, GiB, get_hardware
+from .model import MODEL_PRESETS, ModelShape, get_model_shape
+from .planner import PlanError, format_table, make_plan, select_rows
+from .precision import PRECISIONS, get_precision
+from .strategies import Estimate
+
+__all__ = ["main", "build_parser"]
+
+
+def _tokens(text: str) -> int:
+    """An integer, optionally with a K (x1024) or M (x1024^2) suffix: 131072, 128K, 1M."""
+    t = text.strip().upper()
+    mult = 1
+    if t.endswith("K"):
+        mult, t = 1024, t[:-1]
+    elif t.endswith("M"):
+        mult, t = 1024 * 1024, t[:-1]
+    try:
+        return int(t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count like 131072 or 128K, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-tsp plan",
+        description="Estimate per-GPU memory, communication and step time of DP, FSDP, TP, TP-SP, SP, TPxSP and "
+                    "TSP layouts, and recommend one.",
+    )
+    p.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(MODEL_PRESETS)}) or a path to a Hugging Face config.json")
+    p.add_argument("--seq-len", type=_tokens, required=True, help="tokens per sequence (e.g. 131072 or 128K)")
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpu", default="h200", help=f"accelerator: {', '.join(HARDWARE_PRESETS)} (default h200)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per data-parallel replica per step")
+    p.add_argument("--checkpointing", default="full", choices=CHECKPOINTING,
+                   help="activation checkpointing per transformer layer (default full)")
+    p.add_argument("--precision", default="bf16-mixed", choices=tuple(PRECISIONS), help="default bf16-mixed")
+    p.add_argument("--headroom", type=float, default=0.9,
+                   help="fraction of HBM a layout may use to count as fitting (default 0.9)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="assume no communication hides behind compute (step = compute + all communication)")
+    p.add_argument("--all", action="store_true", help="list every candidate layout, not the best 3 per strategy")
+    p.add_argument("--breakdown", action="store_true",
+                   help="print the memory parts and per-layer collectives of the recommended layout")
+    p.add_argument("--plot", metavar="FILE.png", help="write a plot of memory vs sequence length per strategy")
+    return p
+
+
+def _describe_model(s: ModelShape) -> str:
+    return (f"{s.name}: V={s.vocab_size} h={s.hidden_size} L={s.n_layers} heads={s.n_heads}/{s.n_kv_heads} "
+            f"hd={s.hd} F={s.intermediate_size}, {s.total_params / 1e9:.2f}B params "
+            f"({s.non_embedding_params / 1e9:.2f}B without embeddings)")
+
+
+def _breakdown(e: Estimate) -> str:
+    lines = [f"breakdown of {e.layout.label} {e.layout.degrees}:"]
+    m = e.memory
+    parts = ("weights", "compute_copy", "grads", "optimizer", "activations", "layer_working", "head_working",
+             "transient_buffers")
+    lines.append("  memory GiB: " + ", ".join(f"{k} {m[k] / GiB:.2f}" for k in parts)
+                 + f"; train peak = states + activations + max(layer_working, head_working) = "
+                   f"{m['train_peak'] / GiB:.2f}; optimizer-step peak {m['optimizer_step_peak'] / GiB:.2f}")
+    for ph in ("forward", "backward"):
+        per = e.comm_bytes(per_layer=True, phase=ph)
+        txt = ", ".join(f"{op} {v / 1e6:,.1f}" for op, v in per.items() if v)
+        lines.append(f"  per layer {ph} MB (logical): {txt or '-'}")
+    for ph in ("forward", "backward"):
+        per = e.comm_bytes(phase=ph)
+        txt = ", ".join(f"{op} {v / 1e9:,.2f}" for op, v in per.items() if v)
+        lines.append(f"  per step {ph} GB (logical): {txt or '-'}")
+    lines.append(f"  per step wire GB/GPU: intra {e.step_wire('intra') / 1e9:.2f}, inter {e.step_wire('inter') / 1e9:.2f}")
+    lines.append(f"  FLOPs/GPU/step: model {e.flops['model'] / 1e12:,.1f} T, hardware {e.flops['hardware'] / 1e12:,.1f} T;"
+                 f" compute {e.compute_s:.3f} s, overlappable comm {e.comm_overlap_s:.3f} s, exposed comm "
+                 f"{e.comm_exposed_s:.3f} s -> step {e.step_s:.3f} s")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        argv = argv[1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        shape = get_model_shape(args.model)
+        hw = get_hardware(args.gpu)
+        prec = get_precision(args.precision)
+        if not 0 < args.headroom <= 1:
+            raise PlanError(f"--headroom {args.headroom} must be in (0, 1]")
+        plan = make_plan(shape, hw, prec, args.seq_len, args.gpus, args.gpus_per_node, args.micro_batch,
+                         args.checkpointing, overlap=not args.no_overlap, headroom=args.headroom)
+    except (ValueError, OSError) as exc:  # PlanError is a ValueError
+        parser.error(str(exc))
+    print(_describe_model(shape))
+    print(f"{args.gpus} x {hw.name} ({args.gpus // args.gpus_per_node} nodes of {args.gpus_per_node}), "
+          f"{hw.hbm_bytes / GiB:.0f} GiB HBM, {hw.sustained_flops / 1e12:.0f} TFLOP/s sustained bf16; "
+          f"seq {args.seq_len}, micro-batch {args.micro_batch}, {prec.name}, checkpointing {args.checkpointing}")
+    print()
+    rows = plan.estimates if args.all else select_rows(plan)
+    print(format_table(rows))
+    print()
+    for n in plan.notes:
+        print("note:", n)
+    rec = plan.recommended
+    print(f"recommended: {rec.layout.label} {rec.layout.degrees}" + ("" if rec.fits else " (does NOT fit)"))
+    print(f"  why: {plan.reason}")
+    if args.breakdown:
+        print()
+        print(_breakdown(rec))
+    if args.plot:
+        from .plot import MissingMatplotlib, plot_memory_vs_seq
+
+        try:
+            path = plot_memory_vs_seq(args.plot, shape, hw, prec, args.gpus, args.gpus_per_node, args.micro_batch,
+                                      args.checkpointing, args.seq_len, args.headroom)
+        except MissingMatplotlib as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {path}")
+    return 0
+
+

@@ -1,0 +1,266 @@
+"""The exact collectives a TSP group issues, byte for byte, and wire-level estimates.
+
+Byte convention (matches what a runtime counter records per call):
+  broadcast -> the broadcast buffer; all_gather_into_tensor -> the OUTPUT tensor; reduce_scatter_tensor -> the
+  INPUT tensor; reduce / all_reduce -> the buffer; send -> the sent tensor (sends only; each has a matching recv).
+All numbers are what ONE rank of a TSP group of D ranks issues (every rank issues the same calls).
+Notation: B micro-batch, S sequence, D TSP degree, L_loc = S/D, h hidden, hd head dim, n_q / n_kv heads,
+F intermediate, V vocab; ``w_bytes`` is the compute dtype's element size (weights AND activations travel in it);
+gradient reductions travel in fp32 (``G_BYTES`` = 4). With D == 1 nothing is issued.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .model import ModelShape
+
+__all__ = [
+    "OPS",
+    "PHASES",
+    "G_BYTES",
+    "CHECKPOINTING",
+    "tsp_local_heads",
+    "tsp_attn_shard_numel",
+    "tsp_mlp_shard_numel",
+    "tsp_vocab_shard_numel",
+    "tsp_kv_gather_numel",
+    "tsp_layer_collectives",
+    "tsp_embedding_collectives",
+    "tsp_lm_head_collectives",
+    "tsp_final_norm_collectives",
+    "tsp_loss_collectives",
+    "tsp_step_collectives",
+    "add_tallies",
+    "scale_tally",
+    "wire_bytes",
+]
+
+OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "all_reduce", "send")
+PHASES = ("forward", "backward")
+G_BYTES = 4  # gradient reductions are fp32
+CHECKPOINTING = ("none", "selective", "full")
+
+Tally = dict[str, dict[str, int]]  # phase -> op -> bytes (or calls)
+What = Literal["bytes", "calls"]
+
+
+def _empty() -> Tally:
+    return {p: {op: 0 for op in OPS} for p in PHASES}
+
+
+def add_tallies(*tallies: Tally) -> Tally:
+    out = _empty()
+    for t in tallies:
+        for p, ops in t.items():
+            for op, v in ops.items():
+                out[p][op] += v
+    return out
+
+
+def scale_tally(t: Tally, k: int) -> Tally:
+    return {p: {op: v * k for op, v in ops.items()} for p, ops in t.items()}
+
+
+def _check_what(what: str) -> None:
+    if what not in ("bytes", "calls"):
+        raise ValueError(f"what must be 'bytes' or 'calls', got {what!r}")
+
+
+def tsp_local_heads(shape: ModelShape, D: int) -> tuple[int, int]:
+    """(query heads, kv heads) per rank's head group. KV heads are split when n_kv % D == 0, otherwise each KV
+    head is replicated to D / n_kv owners (then each rank's group holds one KV head)."""
+    if shape.n_heads % D:
+        raise ValueError(f"n_heads={shape.n_heads} is not divisible by the TSP degree D={D}")
+    if shape.n_kv_heads % D == 0:
+        kv = shape.n_kv_heads // D
+    elif D % shape.n_kv_heads == 0:
+        kv = 1
+    else:
+        raise ValueError(f"n_kv_heads={shape.n_kv_heads} neither divides nor is divisible by D={D}")
+    return shape.n_heads // D, kv
+
+
+def tsp_attn_shard_numel(shape: ModelShape, D: int) -> int:
+    """Packed attention shard [Wq_j; Wk_j; Wv_j; Wo_j] = (2 n_q/D + 2 n_kv/D) * hd * h elements."""
+    q, kv = tsp_local_heads(shape, D)
+    return (2 * q + 2 * kv) * shape.hd * shape.hidden_size
+
+
+def tsp_mlp_shard_numel(shape: ModelShape, D: int) -> int:
+    """Packed MLP shard [W_gate_j; W_up_j; W_down_j^T] = 3 F h / D elements."""
+    if shape.intermediate_size % D:
+        raise ValueError(f"intermediate_size={shape.intermediate_size} is not divisible by D={D}")
+    return 3 * shape.intermediate_size * shape.hidden_size // D
+
+
+def tsp_vocab_shard_numel(shape: ModelShape, D: int) -> int:
+    """Vocab shard of the embedding / LM head: ceil(V/D) * h elements (vocab padded to a multiple of D)."""
+    return -(-shape.vocab_size // D) * shape.hidden_size
+
+
+def tsp_kv_gather_numel(shape: ModelShape, B: int, S: int, D: int) -> int:
+    """Output of one K/V all-gather: D * [2, B, L_loc, n_kv/D, hd] = 2 B S (n_kv/D) hd elements."""
+    _, kv = tsp_local_heads(shape, D)
+    return 2 * B * S * kv * shape.hd
+
+
+def _check_seq(S: int, D: int) -> None:
+    if S <= 0 or S % (2 * D):
+        raise ValueError(f"seq_len={S} must be a positive multiple of 2*D={2 * D} (zigzag layout)")
+
+
+def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, what: What) -> Tally:
+    t = _empty()
+    f = t["forward"]
+    by = what == "bytes"
+    f["broadcast"] = D * (tsp_attn_shard_numel(shape, D) * w_bytes if by else 1)
+    f["all_gather_into_tensor"] = D * (tsp_kv_gather_numel(shape, B, S, D) * w_bytes if by else 1)
+    f["send"] = (D - 1) * (tsp_mlp_shard_numel(shape, D) * w_bytes if by else 1)
+    return t
+
+
+def tsp_layer_collectives(
+    shape: ModelShape,
+    B: int,
+    S: int,
+    D: int,
+    w_bytes: int,
+    training: bool = True,
+    checkpointing: str = "none",
+    what: What = "bytes",
+) -> Tally:
+    """One transformer layer (attention broadcast schedule + MLP ring + 2 RMSNorms) on one TSP rank.
+
+    Forward: D broadcasts of the attention shard (w_bytes), D K/V all-gathers (w_bytes), D-1 MLP ring sends.
+    Backward: D broadcasts again, D K/V all-gathers again (gathered K/V are not saved), D dK/dV reduce-scatters
+    (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad all-reduces of h fp32, D-1 MLP weight sends
+    (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
+    backward (one more forward's worth); "selective" recomputes only local ops (no extra collectives).
+    Returns phase -> op -> bytes (``what="bytes"``) or number of calls (``what="calls"``).
+    """
+    _check_what(what)
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
+    if D == 1:
+        return _empty()
+    _check_seq(S, D)
+    by = what == "bytes"
+    fwd = _attn_mlp_forward(shape, B, S, D, w_bytes, what)
+    if not training:
+        return fwd
+    attn = tsp_attn_shard_numel(shape, D)
+    mlp = tsp_mlp_shard_numel(shape, D)
+    kv = tsp_kv_gather_numel(shape, B, S, D)
+    bwd = _empty()
+    b = bwd["backward"]
+    b["broadcast"] = D * (attn * w_bytes if by else 1)
+    b["all_gather_into_tensor"] = D * (kv * w_bytes if by else 1)
+    b["reduce_scatter_tensor"] = D * (kv * G_BYTES if by else 1)
+    b["reduce"] = D * (attn * G_BYTES if by else 1)
+    b["all_reduce"] = 2 * (shape.hidden_size * G_BYTES if by else 1)
+    b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
+    out = add_tallies(fwd, bwd)
+    if checkpointing == "full":
+        recompute = fwd["forward"]
+        for op, v in recompute.items():
+            out["backward"][op] += v
+    return out
+
+
+def _vocab_ring(shape: ModelShape, D: int, w_bytes: int, training: bool, what: What) -> Tally:
+    t = _empty()
+    if D == 1:
+        return t
+    shard = tsp_vocab_shard_numel(shape, D)
+    by = what == "bytes"
+    t["forward"]["send"] = (D - 1) * (shard * w_bytes if by else 1)
+    if training:
+        t["backward"]["send"] = (D - 1) * ((shard * w_bytes + shard * G_BYTES) if by else 2)
+    return t
+
+
+def tsp_embedding_collectives(
+    shape: ModelShape, D: int, w_bytes: int, training: bool = True, what: What = "bytes"
+) -> Tally:
+    """Vocab-sharded embedding ring: forward D-1 shard sends; backward D-1 weight + D-1 fp32 accumulator sends."""
+    _check_what(what)
+    return _vocab_ring(shape, D, w_bytes, training, what)
+
+
+def tsp_lm_head_collectives(
+    shape: ModelShape, D: int, w_bytes: int, training: bool = True, what: What = "bytes"
+) -> Tally:
+    """LM-head ring (ring cross-entropy): same calls as the embedding ring (a tied head still runs its own ring)."""
+    _check_what(what)
+    return _vocab_ring(shape, D, w_bytes, training, what)
+
+
+def tsp_final_norm_collectives(shape: ModelShape, D: int, training: bool = True, what: What = "bytes") -> Tally:
+    """Final RMSNorm: one all-reduce of its h fp32 weight-gradient elements in backward."""
+    _check_what(what)
+    t = _empty()
+    if D > 1 and training:
+        t["backward"]["all_reduce"] = shape.hidden_size * G_BYTES if what == "bytes" else 1
+    return t
+
+
+def tsp_loss_collectives(
+    D: int, what: What = "bytes", count_elem_bytes: int = 8, loss_elem_bytes: int = 8
+) -> Tally:
+    """Loss: 2 all-reduces of one element each in forward (the valid-token count and the loss sum).
+
+    Their dtypes depend on the implementation (fp32/float64 count, loss in the activation dtype); both are counted
+    as 8 bytes by default (an upper bound; pass the real element sizes to compare exactly). Negligible either way.
+    """
+    _check_what(what)
+    t = _empty()
+    if D > 1:
+        t["forward"]["all_reduce"] = count_elem_bytes + loss_elem_bytes if what == "bytes" else 2
+    return t
+
+
+def tsp_step_collectives(
+    shape: ModelShape,
+    B: int,
+    S: int,
+    D: int,
+    w_bytes: int,
+    training: bool = True,
+    checkpointing: str = "none",
+    what: What = "bytes",
+) -> Tally:
+    """Everything one TSP rank issues in one step (one micro-batch): n_layers layers + embedding + LM head +
+    final norm + loss. Excludes the data-parallel gradient reduction (it is not a TSP-group collective)."""
+    layer = tsp_layer_collectives(shape, B, S, D, w_bytes, training, checkpointing, what)
+    return add_tallies(
+        scale_tally(layer, shape.n_layers),
+        tsp_embedding_collectives(shape, D, w_bytes, training, what),
+        tsp_lm_head_collectives(shape, D, w_bytes, training, what),
+        tsp_final_norm_collectives(shape, D, training, what),
+        tsp_loss_collectives(D, what),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Wire level
+# ----------------------------------------------------------------------------------------------------------------
+
+_WIRE_FACTORS = {
+    # bytes one rank sends (== receives) per logical byte, for bandwidth-optimal (ring) algorithms on n ranks.
+    "all_gather_into_tensor": lambda n: (n - 1) / n,  # of the output
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,  # of the input
+    "all_reduce": lambda n: 2 * (n - 1) / n,  # reduce-scatter + all-gather
+    # A round of n broadcasts (one per root) delivers (n-1)/n of the total to every rank; a single broadcast with
+    # scatter + all-gather costs the same per rank. Same for n reduces (reduce-scatter-like).
+    "broadcast": lambda n: (n - 1) / n,
+    "reduce": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,  # already per rank (each send has one matching recv)
+}
+
+
+def wire_bytes(op: str, logical_bytes: float, group_size: int) -> float:
+    """Bytes one rank puts on the wire for ``logical_bytes`` of collective ``op`` (byte convention above)."""
+    if group_size <= 1:
+        return 0.0
+    return _WIRE_FACTORS[op](group_size) * logical_bytes

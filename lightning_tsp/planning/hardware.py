@@ -1,0 +1,67 @@
+"""Accelerator presets: plain data, sources named next to each number.
+
+Bandwidths are per GPU and per direction (bytes/s). ``intra_bw`` is what one GPU can push into a collective that
+talks to all its node peers at once (NVSwitch: the full NVLink bandwidth; a fully connected Infinity Fabric mesh:
+the sum of its links). ``intra_p2p_bw`` is what one point-to-point stream to ONE peer gets (NVSwitch: the same;
+Infinity Fabric: a single link). ``inter_bw`` is one GPU's share of the scale-out network (one NIC per GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Hardware", "HARDWARE_PRESETS", "get_hardware", "GiB", "GB"]
+
+GiB = 2**30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_bf16_tflops: float  # dense (no sparsity) bf16 tensor-core peak, TFLOP/s
+    hbm_bytes: int  # device memory
+    intra_bw: float  # bytes/s per GPU per direction, collectives inside a node
+    intra_p2p_bw: float  # bytes/s per GPU per direction, one send to one peer inside a node
+    inter_bw: float  # bytes/s per GPU per direction across nodes
+    measured_gemm_tflops: float | None = None  # a measured large bf16 GEMM rate, if we have one
+
+    @property
+    def gemm_efficiency(self) -> float:
+        """Fraction of the peak a large bf16 GEMM reaches. Measured on H200 (773 / 989.5 = 0.78);
+        the same fraction is assumed for GPUs we have not measured."""
+        return (self.measured_gemm_tflops or self.peak_bf16_tflops * _H200_EFF) / self.peak_bf16_tflops
+
+    @property
+    def sustained_flops(self) -> float:
+        """FLOP/s used for step-time estimates (bf16)."""
+        return self.peak_bf16_tflops * self.gemm_efficiency * 1e12
+
+
+# Measured on one H200 (torch 2.11, large bf16 GEMM): 773 TFLOP/s. Source: /work/shared/reference/anchors.md.
+_H200_MEASURED = 773.0
+_H200_PEAK = 989.5
+_H200_EFF = _H200_MEASURED / _H200_PEAK
+
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    # NVIDIA H200 SXM datasheet: BF16 tensor core 1,979 TFLOP/s *with sparsity* -> 989.5 dense; 141 GB HBM3e;
+    # NVLink 4 via NVSwitch 900 GB/s bidirectional per GPU -> 450 GB/s per direction.
+    # DGX H200: 8 x ConnectX-7 400 Gb/s (one NIC per GPU) -> 50 GB/s per GPU per direction.
+    "h200": Hardware("h200", _H200_PEAK, 141 * GiB, 450 * GB, 450 * GB, 50 * GB, measured_gemm_tflops=_H200_MEASURED),
+    # NVIDIA H100 SXM5 datasheet: BF16 1,979 TFLOP/s with sparsity -> 989.4 dense; 80 GB HBM3;
+    # NVLink 4 900 GB/s bidirectional; DGX H100: 8 x ConnectX-7 400 Gb/s NDR, one per GPU.
+    "h100": Hardware("h100", 989.4, 80 * GiB, 450 * GB, 450 * GB, 50 * GB),
+    # AMD Instinct MI300X datasheet: peak BF16 1,307.4 TFLOP/s dense; 192 GB HBM3; 7 Infinity Fabric links per
+    # GPU, 128 GB/s bidirectional each (896 GB/s aggregate) -> 448 GB/s per direction to all peers, 64 GB/s to one.
+    # Inter-node: the TSP paper's cluster used AMD Pollara 400 Gb/s NICs, one per GPU -> 50 GB/s.
+    "mi300x": Hardware("mi300x", 1307.4, 192 * GiB, 448 * GB, 64 * GB, 50 * GB),
+}
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    if isinstance(name, Hardware):
+        return name
+    key = name.lower()
+    if key not in HARDWARE_PRESETS:
+        raise ValueError(f"unknown gpu {name!r}: use one of {', '.join(HARDWARE_PRESETS)}")
+    return HARDWARE_PRESETS[key]

@@ -1,0 +1,461 @@
+"""Per-strategy analytical model: memory, communication, FLOPs and step time of one layout.
+
+Strategies (``Layout.strategy``), each with its model-parallel degrees; the remaining GPUs are data-parallel
+replicas (``dp = gpus / model_parallel``), meshes laid out with the model-parallel axes innermost:
+  dp       plain data parallelism (replicated weights and optimizer)
+  fsdp     ZeRO-3 / FSDP over ``fsdp`` ranks (hybrid-sharded when fsdp < gpus)
+  tp       plain tensor parallelism (Megatron column/row pairs, two all-reduces per layer each way)
+  tp_sp    TP with Megatron-style sequence parallelism on the same 1-D group (AG before / RS after each block)
+  sp       sequence / context parallelism, replicated weights, zigzag shards, all-gather K/V
+  tp_x_sp  TP (size tp, inner) x SP (size sp) on a 2-D grid
+  tsp      TSP (broadcast schedule + MLP ring + vocab rings) over ``tsp`` ranks
+All memory numbers are bytes on one GPU; communication is what one GPU issues.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import collectives as C
+from .flops import training_flops
+from .hardware import Hardware
+from .model import ModelShape
+from .precision import Precision
+
+__all__ = ["STRATEGIES", "STRATEGY_LABELS", "Layout", "CommEntry", "Estimate", "estimate", "memory_breakdown"]
+
+STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "sp", "tp_x_sp", "tsp")
+STRATEGY_LABELS = {
+    "dp": "DP",
+    "fsdp": "FSDP",
+    "tp": "TP",
+    "tp_sp": "TP-SP",
+    "sp": "SP",
+    "tp_x_sp": "TPxSP",
+    "tsp": "TSP",
+}
+
+# Per-call latency (alpha of the alpha-beta model): an assumption, small next to the bandwidth term at long context.
+INTRA_LATENCY_S = 10e-6
+INTER_LATENCY_S = 25e-6
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str
+    gpus: int
+    gpus_per_node: int
+    tp: int = 1
+    sp: int = 1
+    tsp: int = 1
+    fsdp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        if self.gpus % self.model_parallel:
+            raise ValueError(f"{self.gpus} GPUs are not a multiple of the model-parallel size {self.model_parallel}")
+        if self.strategy == "fsdp" and self.gpus % self.fsdp:
+            raise ValueError(f"{self.gpus} GPUs are not a multiple of the FSDP degree {self.fsdp}")
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs that share one micro-batch (FSDP ranks each process their own)."""
+        return self.tp * self.sp * self.tsp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: distinct micro-batches per step."""
+        return self.gpus // self.model_parallel
+
+    @property
+    def label(self) -> str:
+        base = STRATEGY_LABELS[self.strategy]
+        if self.strategy in ("dp", "fsdp") or self.dp == 1:
+            return base
+        return base + " x DP"
+
+    @property
+    def degrees(self) -> str:
+        s = self.strategy
+        if s == "dp":
+            return f"dp={self.dp}"
+        if s == "fsdp":
+            rep = self.gpus // self.fsdp
+            return f"shard={self.fsdp}" + (f" rep={rep}" if rep > 1 else "")
+        if s in ("tp", "tp_sp"):
+            return f"T={self.tp}"
+        if s == "sp":
+            return f"S={self.sp}"
+        if s == "tp_x_sp":
+            return f"T={self.tp} S={self.sp}"
+        return f"D={self.tsp}"
+
+
+def _link(size: int, stride: int, gpn: int) -> str:
+    """A group of ``size`` ranks spaced ``stride`` apart (ranks numbered node by node) stays inside one node iff
+    it spans at most one node; otherwise its traffic is charged to the inter-node links."""
+    return "intra" if size * stride <= gpn else "inter"
+
+
+@dataclass
+class CommEntry:
+    """One kind of collective. ``bytes``/``calls`` are per occurrence; ``per_layer`` entries occur n_layers times
+    per step, the others once per step."""
+
+    phase: str  # "forward" | "backward"
+    op: str  # one of collectives.OPS
+    group: str  # "tsp" | "tp" | "sp" | "dp" | "fsdp" | "replicate"
+    group_size: int
+    link: str  # "intra" | "inter"
+    bytes: int
+    calls: int
+    overlap: bool  # can run behind compute
+    per_layer: bool
+    what: str = ""
+
+    def occurrences(self, n_layers: int) -> int:
+        return n_layers if self.per_layer else 1
+
+    @property
+    def wire(self) -> float:
+        return C.wire_bytes(self.op, self.bytes, self.group_size)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    shape: ModelShape
+    hardware: Hardware
+    precision: Precision
+    micro_batch: int
+    seq_len: int
+    checkpointing: str
+    memory: dict[str, float]  # component -> bytes; "peak" is the total
+    comm: list[CommEntry]
+    flops: dict[str, float]  # per device per step: "model", "hardware"
+    compute_s: float
+    comm_overlap_s: float
+    comm_exposed_s: float
+    step_s: float
+    headroom: float = 0.9
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.memory["peak"]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.headroom * self.hardware.hbm_bytes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.seq_len * self.layout.dp
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else float("inf")
+
+    def comm_bytes(self, *, per_layer: bool | None = None, phase: str | None = None, link: str | None = None,
+                   wire: bool = False, group: str | None = None) -> dict[str, float]:
+        """Bytes by op, filtered. Per-layer entries count once each (not x n_layers) when ``per_layer=True``;
+        with ``per_layer=None`` everything of one step is summed (layers x n_layers)."""
+        out = {op: 0.0 for op in C.OPS}
+        for e in self.comm:
+            if per_layer is not None and e.per_layer != per_layer:
+                continue
+            if (phase and e.phase != phase) or (link and e.link != link) or (group and e.group != group):
+                continue
+            k = 1 if per_layer is not None else e.occurrences(self.shape.n_layers)
+            out[e.op] += k * (e.wire if wire else e.bytes)
+        return out
+
+    def step_wire(self, link: str) -> float:
+        """Bytes one GPU puts on ``link`` ("intra"/"inter") per step."""
+        return sum(self.comm_bytes(link=link, wire=True).values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameters held by one GPU
+# ----------------------------------------------------------------------------------------------------------------
+
+def _kv_local(n_kv: int, T: int) -> int:
+    return n_kv // T if n_kv % T == 0 else 1
+
+
+def _sharded_params(shape: ModelShape, T: int) -> int:
+    """Head/column-sharded layers over T ranks (TP, TSP): attention by heads, MLP by intermediate columns,
+    embedding / LM head by vocab (padded), norms replicated."""
+    h, hd = shape.hidden_size, shape.hd
+    attn = 2 * (shape.n_heads // T) * hd * h + 2 * _kv_local(shape.n_kv_heads, T) * hd * h
+    mlp = 3 * shape.intermediate_size // T * h
+    vocab = -(-shape.vocab_size // T) * h * (1 if shape.tie_word_embeddings else 2)
+    return shape.n_layers * (attn + mlp + shape.norm_params) + vocab + h
+
+
+def local_params(shape: ModelShape, layout: Layout) -> int:
+    s = layout.strategy
+    if s in ("dp", "sp"):
+        return shape.total_params
+    if s == "fsdp":
+        return -(-shape.total_params // layout.fsdp)
+    if s in ("tp", "tp_sp", "tp_x_sp"):
+        return _sharded_params(shape, layout.tp)
+    return _sharded_params(shape, layout.tsp)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------------------------
+
+def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: float, T_norm: float, T_tok: float,
+                       q_heads: int, kv_heads: int, F_loc: int, kv_gathered: float, norm_gathered: bool
+                       ) -> tuple[float, float]:
+    """(full, saved) activation bytes of one layer.
+
+    Saved for backward without checkpointing: the residual stream entering both norms (T_res tokens, residual
+    dtype), both norm outputs (T_norm tokens), q, k, v, attention output o (+ fp32 log-sum-exp per head; flash-style
+    attention keeps no S x S scores), SwiGLU gate and up pre-activations and their product, plus any gathered
+    full-sequence K/V a strategy keeps (SP, TPxSP). ``selective`` recomputes the norms (unless their output was
+    gathered: that would need communication) and the SwiGLU product; ``full`` keeps only the layer input.
+    """
+    h, hd, a, r = shape.hidden_size, shape.hd, p.compute, p.residual
+    res = 2 * h * r * T_res
+    norm = 2 * h * a * T_norm
+    attn = (2 * q_heads + 2 * kv_heads) * hd * a * T_tok + q_heads * 4 * T_tok
+    gate_up = 2 * F_loc * a * T_tok
+    prod = F_loc * a * T_tok
+    kvg = kv_gathered * a
+    full = res + norm + attn + gate_up + prod + kvg
+    if mode == "none":
+        saved = full
+    elif mode == "selective":
+        saved = full - prod - (0 if norm_gathered else norm)
+    elif mode == "full":
+        saved = h * r * T_res
+    else:
+        raise ValueError(f"checkpointing must be one of {C.CHECKPOINTING}, got {mode!r}")
+    return full, saved
+
+
+def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, checkpointing: str
+                     ) -> dict[str, float]:
+    """Peak bytes on one GPU and its parts.
+
+    train_peak = weights + compute_copy + grads + optimizer      (model states)
+               + n_layers * saved_per_layer                       ("activations")
+               + max(layer_working, head_working)
+    optimizer_step_peak = weights + grads + 1.5 * optimizer       (foreach AdamW temporary)
+    peak = max(train_peak, optimizer_step_peak)
+    layer_working: one layer's activations that are not saved (recomputed in backward) + the strategy's transient
+    buffers during a layer; head_working: the LM-head stage (logits + vocab buffers), which runs while every
+    layer's saved activations are alive and before any layer is recomputed.
+    """
+    s, h, V = layout.strategy, shape.hidden_size, shape.vocab_size
+    a, w = p.compute, p.compute
+    n = local_params(shape, layout)
+    T = B * S
+    resident = s not in ("fsdp", "tsp")  # weights used in place (autocast casts and keeps a low-precision copy)
+    mem: dict[str, float] = {
+        "weights": n * p.weight,
+        "compute_copy": n * p.compute_copy if resident else 0,
+        "grads": n * p.grad,
+        "optimizer": n * p.optimizer,
+    }
+    nq, nkv, F = shape.n_heads, shape.n_kv_heads, shape.intermediate_size
+    layer_transient = 0.0
+    head_transient = 0.0
+    kw = dict(norm_gathered=False, kv_gathered=0.0)
+    if s in ("dp", "fsdp"):
+        kw.update(T_res=T, T_norm=T, T_tok=T, q_heads=nq, kv_heads=nkv, F_loc=F)
+        logits = T * V
+        if s == "fsdp":
+            lp = shape.layer_params
+            layer_transient = 2 * lp * w + lp * p.grad  # gathered layer + prefetched next + unsharded grads
+            vp = V * h
+            head_transient = vp * w + vp * p.grad
+    elif s in ("tp", "tp_sp"):
+        t = layout.tp
+        seq_sharded = s == "tp_sp"
+        kw.update(T_res=T / t if seq_sharded else T, T_norm=T, T_tok=T, q_heads=nq // t,
+                  kv_heads=_kv_local(nkv, t), F_loc=F // t, norm_gathered=seq_sharded)
+        logits = T * -(-V // t)
+    elif s == "sp":
+        sig = layout.sp
+        kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq, kv_heads=nkv, F_loc=F,
+                  kv_gathered=2 * T * nkv * shape.hd)
+        logits = T / sig * V
+    elif s == "tp_x_sp":
+        t, sig = layout.tp, layout.sp
+        kvl = _kv_local(nkv, t)
+        kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq // t, kv_heads=kvl, F_loc=F // t,
+                  kv_gathered=2 * T * kvl * shape.hd)
+        logits = T / sig * -(-V // t)
+    else:  # tsp
+        D = layout.tsp
+        kw.update(T_res=T / D, T_norm=T / D, T_tok=T / D, q_heads=nq, kv_heads=nkv, F_loc=F)
+        logits = T / D * -(-V // D)
+        if D > 1:
+            attn = C.tsp_attn_shard_numel(shape, D)
+            mlp = C.tsp_mlp_shard_numel(shape, D)
+            kv = C.tsp_kv_gather_numel(shape, B, S, D)
+            # one attention shard (+ its fp32 weight-grad partial), gathered K/V of one head group (+ fp32 dK/dV
+            # before the reduce-scatter), double-buffered MLP ring shards (+ fp32 grad accumulators in backward)
+            layer_transient = attn * (w + C.G_BYTES) + kv * (a + C.G_BYTES) + 2 * mlp * (w + C.G_BYTES)
+            head_transient = 2 * C.tsp_vocab_shard_numel(shape, D) * (w + C.G_BYTES)
+    full, saved = _layer_activations(shape, p, checkpointing, **kw)
+    logits_bytes = logits * (a + 4)  # logits in the compute dtype + fp32 log-softmax kept for backward
+    final_hidden = kw["T_res"] * h * p.residual
+    mem["activations"] = shape.n_layers * saved
+    mem["layer_working"] = (full - saved) + layer_transient
+    mem["head_working"] = logits_bytes + final_hidden + head_transient
+    mem["transient_buffers"] = max(layer_transient, head_transient)  # informational (included above)
+    states = mem["weights"] + mem["compute_copy"] + mem["grads"] + mem["optimizer"]
+    mem["model_states"] = states
+    mem["train_peak"] = states + mem["activations"] + max(mem["layer_working"], mem["head_working"])
+    # optimizer step: activations and autocast copies are gone; foreach AdamW materialises one temporary of the
+    # state dtype per parameter (sqrt of exp_avg_sq), i.e. half the optimizer-state bytes
+    mem["optimizer_step_peak"] = mem["weights"] + mem["grads"] + mem["optimizer"] * 1.5
+    mem["peak"] = max(mem["train_peak"], mem["optimizer_step_peak"])
+    return mem
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Communication
+# ----------------------------------------------------------------------------------------------------------------
+
+def _tsp_comm(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str) -> list[CommEntry]:
+    D, gpn = layout.tsp, layout.gpus_per_node
+    link = _link(D, 1, gpn)
+    out: list[CommEntry] = []
+
+    def add(tb: C.Tally, tc: C.Tally, per_layer: bool, what: str) -> None:
+        for ph in C.PHASES:
+            for op in C.OPS:
+                if tb[ph][op]:
+                    out.append(CommEntry(ph, op, "tsp", D, link, tb[ph][op], tc[ph][op], True, per_layer, what))
+
+    w = p.compute
+    add(C.tsp_layer_collectives(shape, B, S, D, w, True, mode),
+        C.tsp_layer_collectives(shape, B, S, D, w, True, mode, what="calls"), True, "layer")
+    for name, fn in (("embedding", C.tsp_embedding_collectives), ("lm_head", C.tsp_lm_head_collectives)):
+        add(fn(shape, D, w), fn(shape, D, w, what="calls"), False, name)
+    add(C.tsp_final_norm_collectives(shape, D), C.tsp_final_norm_collectives(shape, D, what="calls"), False,
+        "final_norm")
+    add(C.tsp_loss_collectives(D), C.tsp_loss_collectives(D, what="calls"), False, "loss")
+    return out
+
+
+def _grad_sync(n_params: int, p: Precision, size: int, stride: int, gpn: int, group: str) -> list[CommEntry]:
+    if size <= 1:
+        return []
+    return [CommEntry("backward", "all_reduce", group, size, _link(size, stride, gpn), n_params * p.grad, 1,
+                      True, False, "gradient all-reduce")]
+
+
+def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str) -> list[CommEntry]:
+    """Everything one GPU issues per step. Logical bytes follow the collectives.py convention."""
+    s, gpn, h, a = layout.strategy, layout.gpus_per_node, shape.hidden_size, p.compute
+    T = B * S
+    out: list[CommEntry] = []
+    n_local = local_params(shape, layout)
+    full = mode == "full"
+
+    def E(phase, op, group, size, stride, nbytes, calls, overlap, per_layer, what):
+        if size > 1 and nbytes:
+            out.append(CommEntry(phase, op, group, size, _link(size, stride, gpn), int(nbytes), calls, overlap,
+                                 per_layer, what))
+
+    if s == "dp":
+        out += _grad_sync(n_local, p, layout.dp, 1, gpn, "dp")
+    elif s == "fsdp":
+        f = layout.fsdp
+        lp = shape.layer_params
+        other = shape.embedding_params + shape.lm_head_params + h
+        for per_layer, n_el, what in ((True, lp, "layer weights"), (False, other, "embedding/head weights")):
+            E("forward", "all_gather_into_tensor", "fsdp", f, 1, n_el * a, 1, True, per_layer, what)
+            E("backward", "all_gather_into_tensor", "fsdp", f, 1, n_el * a, 1, True, per_layer, what)
+            E("backward", "reduce_scatter_tensor", "fsdp", f, 1, n_el * p.grad, 1, True, per_layer, what)
+        out += _grad_sync(n_local, p, layout.gpus // f, f, gpn, "replicate")
+    elif s in ("tp", "tp_sp", "tp_x_sp"):
+        t = layout.tp
+        sig = layout.sp if s == "tp_x_sp" else 1
+        act = T // sig * h * a  # one [B, S/sig, h] activation in the compute dtype
+        reps = 2 if full else 1  # full checkpointing re-runs the forward collectives in backward
+        if s == "tp_sp":
+            for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+                E("forward", op, "tp", t, 1, 2 * act, 2, False, True, "block AG/RS")
+                E("backward", op, "tp", t, 1, 2 * act * reps, 2 * reps, False, True, "block AG/RS (+recompute)")
+            E("forward", "reduce_scatter_tensor", "tp", t, 1, act, 1, False, False, "embedding output")
+            E("forward", "all_gather_into_tensor", "tp", t, 1, act, 1, False, False, "LM head input")
+            E("backward", "reduce_scatter_tensor", "tp", t, 1, act, 1, False, False, "LM head input grad")
+            E("backward", "all_reduce", "tp", t, 1, (2 * shape.n_layers + 1) * h * 4, 1, True, False,
+              "sequence-sharded norm weight grads")
+        else:
+            E("forward", "all_reduce", "tp", t, 1, 2 * act, 2, False, True, "attention/MLP output")
+            E("backward", "all_reduce", "tp", t, 1, 2 * act * reps, 2 * reps, False, True,
+              "attention/MLP input grad (+recompute)")
+            E("forward", "all_reduce", "tp", t, 1, act, 1, False, False, "vocab-parallel embedding")
+            E("backward", "all_reduce", "tp", t, 1, act, 1, False, False, "LM head input grad")
+        E("forward", "all_reduce", "tp", t, 1, 3 * (T // sig) * 4, 3, False, False,
+          "vocab-parallel cross-entropy (max, sum-exp, target logit)")
+        if s == "tp_x_sp":
+            kv = 2 * T * _kv_local(shape.n_kv_heads, t) * shape.hd * a
+            E("forward", "all_gather_into_tensor", "sp", sig, t, kv, 1, False, True, "K/V all-gather")
+            if full:
+                E("backward", "all_gather_into_tensor", "sp", sig, t, kv, 1, False, True, "K/V recompute")
+            E("backward", "reduce_scatter_tensor", "sp", sig, t, kv, 1, False, True, "dK/dV reduce-scatter")
+            E("forward", "all_reduce", "sp", sig, t, 16, 2, False, False, "loss")
+            out += _grad_sync(n_local, p, layout.gpus // t, t, gpn, "dp")
+        else:
+            out += _grad_sync(n_local, p, layout.dp, t, gpn, "dp")
+    elif s == "sp":
+        sig = layout.sp
+        kv = 2 * T * shape.kv_dim * a
+        E("forward", "all_gather_into_tensor", "sp", sig, 1, kv, 1, False, True, "K/V all-gather")
+        if full:
+            E("backward", "all_gather_into_tensor", "sp", sig, 1, kv, 1, False, True, "K/V recompute")
+        E("backward", "reduce_scatter_tensor", "sp", sig, 1, kv, 1, False, True, "dK/dV reduce-scatter")
+        E("forward", "all_reduce", "sp", sig, 1, 16, 2, False, False, "loss")
+        out += _grad_sync(n_local, p, layout.gpus, 1, gpn, "dp")  # weights replicated over sp x dp
+    else:  # tsp
+        out += _tsp_comm(shape, layout, p, B, S, mode)
+        out += _grad_sync(n_local, p, layout.dp, layout.tsp, gpn, "dp")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Everything together
+# ----------------------------------------------------------------------------------------------------------------
+
+def _comm_time(e: CommEntry, hw: Hardware, n_layers: int) -> float:
+    if e.link == "inter":
+        bw, lat = hw.inter_bw, INTER_LATENCY_S
+    else:
+        bw, lat = (hw.intra_p2p_bw if e.op == "send" else hw.intra_bw), INTRA_LATENCY_S
+    return e.occurrences(n_layers) * (e.wire / bw + e.calls * lat)
+
+
+def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: int, S: int,
+             checkpointing: str = "full", overlap: bool = True, headroom: float = 0.9) -> Estimate:
+    """Memory, communication, FLOPs and an estimated step time (one micro-batch per replica, no gradient
+    accumulation, optimizer step not timed).
+
+    step = max(compute, overlappable comm) + exposed comm   (``overlap=False``: compute + all comm)
+    Overlappable: TSP's prefetched weight broadcasts / ring sends / K/V all-gathers, FSDP's prefetched
+    all-gathers and reduce-scatters, data-parallel gradient all-reduces. Exposed: TP / TP-SP activation
+    collectives and SP's K/V all-gathers (on the critical path of the next matmul), loss all-reduces.
+    """
+    mem = memory_breakdown(shape, layout, p, B, S, checkpointing)
+    comm = communication(shape, layout, p, B, S, checkpointing)
+    tf = training_flops(shape, B, S, checkpointing)
+    mp = layout.model_parallel
+    flops = {"model": tf["model"] / mp, "hardware": tf["hardware"] / mp}
+    rate = hw.sustained_flops if p.compute == 2 else hw.sustained_flops / 2  # fp32 matmuls (TF32 off): ~half
+    compute_s = flops["hardware"] / rate
+    ov = sum(_comm_time(e, hw, shape.n_layers) for e in comm if e.overlap and overlap)
+    ex = sum(_comm_time(e, hw, shape.n_layers) for e in comm if not (e.overlap and overlap))
+    step = max(compute_s, ov) + ex
+    return Estimate(layout, shape, hw, p, B, S, checkpointing, mem, comm, flops, compute_s, ov, ex, step,
+                    headroom)

@@ -1,0 +1,77 @@
+"""Ring schedule: packed weight shards circulate by point-to-point send/recv, one hop per step.
+
+Forward: rank r sees shards r, r-1, ..., r-D+1 (each received from its left neighbour while the previous one
+computes). Backward: rank r sees shards r-1, r-2, ..., r-D (= r); the fp32 gradient accumulator of a shard
+travels WITH it, every rank adds its partial, and after D-1 hops the accumulator lands on the owner holding the
+sum over the group: a reduce-scatter fused into the ring, with no extra collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_tsp.group import TSPGroup
+
+
+class _Shift:
+    """One ring hop in flight: send ``t`` to the right neighbour, receive the left neighbour's into a new buffer."""
+
+    def __init__(self, tsp: TSPGroup, t: Tensor):
+        self.recv = torch.empty_like(t)
+        right = tsp.global_rank((tsp.rank + 1) % tsp.size)
+        left = tsp.global_rank((tsp.rank - 1) % tsp.size)
+        ops = [dist.P2POp(dist.isend, t, right, tsp.group), dist.P2POp(dist.irecv, self.recv, left, tsp.group)]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def result(self) -> Tensor:
+        for w in self.works:
+            w.wait()
+        return self.recv
+
+
+def ring_shards(tsp: TSPGroup, local: Tensor) -> Iterator[tuple[int, Tensor]]:
+    """Forward ring: yield ``(s, shard_s)`` for the D shards; the next hop is in flight during each yield."""
+    cur = local
+    for t in range(tsp.size):
+        nxt = _Shift(tsp, cur) if t + 1 < tsp.size else None
+        yield (tsp.rank - t) % tsp.size, cur
+        if nxt is not None:
+            cur = nxt.result()
+
+
+class RingGradPass:
+    """Backward ring with a travelling fp32 gradient accumulator.
+
+    Iterate to get ``(s, shard_s, acc_s)``; add this rank's partial gradient of shard s into ``acc_s`` in place.
+    After the loop ``grad`` holds the complete gradient of this rank's own shard. ``local=None`` moves only the
+    accumulator (for ops whose backward needs no weights, e.g. the embedding).
+    Traffic: D-1 weight hops and D-1 accumulator hops per rank.
+    """
+
+    def __init__(self, tsp: TSPGroup, local: Tensor | None, grad_numel: int, device, grad_dtype=torch.float32):
+        self.tsp, self.local = tsp, local
+        self.grad_numel, self.device, self.grad_dtype = grad_numel, device, grad_dtype
+        self.grad: Tensor | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, Tensor | None, Tensor]]:
+        d, r = self.tsp.size, self.tsp.rank
+        acc = torch.zeros(self.grad_numel, device=self.device, dtype=self.grad_dtype)
+        if d == 1:
+            yield 0, self.local, acc
+            self.grad = acc
+            return
+        # Step t works on shard r-1-t, so the weights need one hop before the first step.
+        cur = _Shift(self.tsp, self.local).result() if self.local is not None else None
+        for t in range(d):
+            # The last step (t = D-1) is the own shard: no weights need to arrive for it.
+            nxt = _Shift(self.tsp, cur) if cur is not None and t + 2 < d else None
+            yield (r - 1 - t) % d, cur, acc
+            if t + 1 < d:
+                acc = _Shift(self.tsp, acc).result()
+                if cur is not None:
+                    cur = nxt.result() if nxt is not None else self.local
+        self.grad = acc

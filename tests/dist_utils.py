@@ -1,0 +1,43 @@
+"""Run a function on D real gloo processes inside pytest, with a hard timeout (nothing may hang)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=90),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; re-raise the first failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(
+            _entry, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish within {timeout} s")

@@ -1,0 +1,151 @@
+"""TSP computes the unsharded model's function: loss, every parameter gradient, the input-embedding gradient
+and an optimizer's loss curve match the D=1 model and Hugging Face LlamaForCausalLM (fp64, real gloo groups)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_tsp import TSPLlama, zigzag_unshard
+from lightning_tsp.models.llama import ModelConfig
+from tests.dist_utils import run_distributed
+from tests.reference import assert_close, batch, full_grads, world_tsp
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+B, S = 2, 24
+
+
+def shapes_for(d: int, gqa: bool, tie: bool = False) -> ModelConfig:
+    """Head counts divisible by D (GQA: 2 query heads per KV head); other sizes divisible by 1..4."""
+    n_kv = d if d > 1 else 2
+    n_heads = 2 * n_kv if gqa else n_kv
+    return ModelConfig(vocab_size=240, hidden_size=8 * n_heads, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv,
+                       intermediate_size=96, tie_embeddings=tie)
+
+
+def hf_model(cfg: ModelConfig, ref: TSPLlama):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=4 * S,
+    )
+    hf_cfg._attn_implementation = "sdpa"  # eager does its softmax in fp32
+    hf = LlamaForCausalLM(hf_cfg).to(torch.float64)
+    missing, unexpected = hf.load_state_dict(ref.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    assert not unexpected and set(missing) <= tied, (missing, unexpected)
+    return hf
+
+
+def _capture(store: dict):
+    def hook(module, inputs, out):
+        out.retain_grad()
+        store["emb"] = out
+
+    return hook
+
+
+def run_and_capture(model: TSPLlama, ids, labels):
+    """Loss, gathered parameter gradients and the gradient of the input embeddings (natural order)."""
+    captured = {}
+    handle = model.model.embed_tokens.register_forward_hook(_capture(captured))
+    i, t, p = model.shard_batch(ids, labels)
+    loss = model(i, t, p)
+    loss.backward()
+    handle.remove()
+    emb_grad = captured["emb"].grad
+    if model.tsp.size > 1:
+        parts = [torch.empty_like(emb_grad) for _ in range(model.tsp.size)]
+        dist.all_gather(parts, emb_grad, group=model.tsp.group)
+        emb_grad = zigzag_unshard(parts)
+    return loss.detach(), full_grads(model), emb_grad
+
+
+def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10) -> None:
+    tag = f"D={world_tsp().size} heads={cfg.n_heads}/{cfg.n_kv_heads} tie={cfg.tie_embeddings} ckpt={checkpointing}"
+    ids, labels = batch(cfg, B, S)
+    ref = TSPLlama(cfg, None, dtype=torch.float64)
+    model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float64)
+    ref_loss, ref_grads, ref_emb = run_and_capture(ref, ids, labels)
+    loss, grads, emb = run_and_capture(model, ids, labels)
+    assert_close(f"{tag} loss", loss, ref_loss, rtol)
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert_close(f"{tag} grad {name}", grads[name], ref_grads[name], rtol)
+    assert_close(f"{tag} input-embedding grad", emb, ref_emb, rtol)
+
+    if HAS_HF:
+        hf = hf_model(cfg, ref)
+        hf_emb = {}
+        hf.model.embed_tokens.register_forward_hook(_capture(hf_emb))
+        out = hf(input_ids=ids, labels=labels)
+        out.loss.backward()
+        # HF's RMSNorm computes in fp32 even in an fp64 model: compare at fp32 round-off.
+        rtol = 2e-6
+        assert_close(f"{tag} loss vs HF", loss, out.loss.detach(), rtol)
+        for name, p in hf.named_parameters():
+            assert_close(f"{tag} grad {name} vs HF", grads[name], p.grad, rtol)
+        assert_close(f"{tag} input-embedding grad vs HF", emb, hf_emb["emb"].grad, rtol)
+
+
+def check_loss_curve(cfg: ModelConfig, steps: int = 6) -> None:
+    """Several AdamW steps: the TSP loss curve equals the reference curve."""
+    curves = []
+    for tsp in (None, world_tsp()):
+        model = TSPLlama(cfg, tsp, dtype=torch.float64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        curve = []
+        for step in range(steps):
+            ids, labels = batch(cfg, B, S, seed=step % 2)  # two batches, alternating
+            loss = model(*model.shard_batch(ids, labels))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.detach())
+        curves.append(torch.stack(curve))
+    assert_close(f"D={world_tsp().size} loss curve", curves[1], curves[0], 1e-10)
+    assert curves[0][-1] < curves[0][0], "the reference did not learn: the curve comparison proves nothing"
+
+
+def _worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    for gqa in (False, True):
+        for checkpointing in ("none", "full"):
+            check_case(shapes_for(world_size, gqa), checkpointing)
+    check_case(shapes_for(world_size, True, tie=True), "none")
+    check_loss_curve(shapes_for(world_size, True))
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_unsharded_model_matches_hugging_face(gqa):
+    """D = 1, no process group: the built-in model is Llama (checked against the HF implementation)."""
+    check_case(shapes_for(1, gqa), "none")
+    check_case(shapes_for(1, gqa, tie=True), "full")
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_tsp_matches_reference(d):
+    run_distributed(_worker, d)
+
+
+def test_fp32_matches_within_float_roundoff():
+    run_distributed(_fp32_worker, 2)
+
+
+def _fp32_worker(rank: int, world_size: int) -> None:
+    cfg = shapes_for(world_size, True)
+    ids, labels = batch(cfg, B, S)
+    ref = TSPLlama(cfg, None, dtype=torch.float64)
+    model = TSPLlama(cfg, world_tsp(), dtype=torch.float32)
+    ref_loss, ref_grads, _ = run_and_capture(ref, ids, labels)
+    loss, grads, _ = run_and_capture(model, ids, labels)
+    assert_close("fp32 loss", loss, ref_loss, 1e-5)
+    for name in ref_grads:
+        assert_close(f"fp32 grad {name}", grads[name], ref_grads[name], 1e-5)
