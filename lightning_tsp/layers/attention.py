@@ -19,7 +19,7 @@ from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
 from lightning_tsp.schedules.broadcast import broadcast_shards, reduce_to_owner
-from lightning_tsp.schedules.comm import all_gather, pack, reduce_scatter, unpack
+from lightning_tsp.schedules.comm import all_gather, local_tensor, pack, reduce_scatter, unpack
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,6 @@ class TSPAttention(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         kernel = select_attention_kernel(x.device, self.kernel_name, dtype)
         spec = _AttnSpec(self.tsp, self.n_heads, self.n_kv_heads, self.head_dim, kernel)
-        w = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
+        w = [local_tensor(m.weight) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
         with torch.autocast(x.device.type, enabled=False):
             return BroadcastAttention.apply(x.to(dtype), *w, cos.to(dtype), sin.to(dtype), spec)

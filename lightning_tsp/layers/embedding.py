@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
+from lightning_tsp.schedules.comm import local_tensor
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 
@@ -55,4 +56,5 @@ class TSPEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids [B, S/D] -> embeddings [B, S/D, h] in the weight dtype (like nn.Embedding under autocast)."""
-        return RingEmbedding.apply(ids, self.weight, self.tsp, self.weight.dtype)
+        w = local_tensor(self.weight)
+        return RingEmbedding.apply(ids, w, self.tsp, w.dtype)

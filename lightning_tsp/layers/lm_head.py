@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers.embedding import _in_shard
+from lightning_tsp.schedules.comm import local_tensor
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 from lightning_tsp.zigzag import IGNORE_INDEX
 
@@ -88,7 +89,7 @@ class TSPLMHead(nn.Module):
 
     def forward(self, x: Tensor, targets: Tensor, weight: Tensor | None = None) -> Tensor:
         """Per-token loss [B, S/D] for hidden states x [B, S/D, h] and already-shifted targets [B, S/D]."""
-        weight = self.weight if weight is None else weight
+        weight = local_tensor(self.weight if weight is None else weight)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
             return RingCrossEntropy.apply(x.to(dtype), weight, targets, self.tsp, self.token_chunk)

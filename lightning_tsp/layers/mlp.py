@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.schedules.comm import pack, unpack
+from lightning_tsp.schedules.comm import local_tensor, pack, unpack
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 
@@ -76,4 +76,5 @@ class TSPGatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
-            return RingMLP.apply(x.to(dtype), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.tsp)
+            w = [local_tensor(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+            return RingMLP.apply(x.to(dtype), *w, self.tsp)

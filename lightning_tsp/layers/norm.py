@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.schedules.comm import SumGradOverGroup
+from lightning_tsp.schedules.comm import SumGradOverGroup, local_tensor
 
 
 class TSPRMSNorm(nn.Module):
@@ -20,7 +20,8 @@ class TSPRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Hugging Face's LlamaRMSNorm arithmetic: normalise in (at least) fp32, cast back, then scale.
-        w = SumGradOverGroup.apply(self.weight, self.tsp) if self.tsp.size > 1 else self.weight
+        w = local_tensor(self.weight)
+        w = SumGradOverGroup.apply(w, self.tsp) if self.tsp.size > 1 else w
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)

@@ -75,3 +75,9 @@ class SumGradOverGroup(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         g = all_reduce_sum(grad.to(torch.promote_types(grad.dtype, torch.float32)), ctx.tsp)
         return g.to(grad.dtype), None
+
+
+def local_tensor(p: Tensor) -> Tensor:
+    """This rank's shard of a parameter: ``to_local()`` of a DTensor (differentiable), the tensor itself otherwise."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
