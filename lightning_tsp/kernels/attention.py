@@ -116,10 +116,30 @@ class SDPAAttention(AttentionKernel):
 
 
 def _cudnn_attention(q, k, v, is_causal: bool):
-    """cuDNN SDPA returning (out, lse [B, H, L] fp32). Private ATen op: callers guard it."""
+    """cuDNN SDPA returning (out, lse [B, H, L] fp32). Private ATen op: availability is probed once."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False)
     o, lse = out[0], out[1]
     return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2]).float()
+
+
+def _cudnn_attention_backward(do, q, k, v, o, lse, is_causal: bool):
+    """cuDNN SDPA backward of one piece, given the FINAL (merged) output and log-sum-exp.
+
+    With the merged o and lse, P = exp(S - lse) is the piece's block of the global softmax and
+    rowsum(dO * O) the global correction term, so each piece's backward yields its exact share of the
+    gradient (the same identity a flash-attention backward relies on). No dropout: seed/offset unused.
+    """
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    lse4 = lse.unsqueeze(-1).contiguous()  # the op's own layout: [B, H, Lq, 1]
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do, q, k, v, o, lse4, zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, is_causal
+    )
+
+
+def _sum_kv_groups(t: Tensor, n_kv: int) -> Tensor:
+    """Gradient of expanded K/V heads [B, Hq, L, d] -> [B, Hkv, L, d] (sum over each GQA group)."""
+    b, hq, l, d = t.shape
+    return t if hq == n_kv else t.view(b, n_kv, hq // n_kv, l, d).sum(2)
 
 
 class CudnnSplitAttention(AttentionKernel):
@@ -127,14 +147,16 @@ class CudnnSplitAttention(AttentionKernel):
 
     For a block of Lq queries against Lk keys the first Lk - Lq keys are fully visible (non-causal call) and the
     last Lq keys form a square causal block. The two partial results are merged once with their log-sum-exps
-    in fp32 (not a ring-style chain of merges).
+    in fp32 (not a ring-style chain of merges). Backward calls cuDNN's backward per piece with the merged
+    output and log-sum-exp (no forward recompute).
     """
 
     name = "cudnn-split"
 
     def differentiable(self, q, k, v):
         lq, lk, hq = q.shape[2], k.shape[2], q.shape[1]
-        k, v = _expand_kv(k, hq), _expand_kv(v, hq)
+        # cuDNN's backward needs q, k, v, o and dO in one layout: make them all [B, H, L, d]-contiguous
+        q, k, v = q.contiguous(), _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
         own_o, own_lse = _cudnn_attention(q, k[:, :, lk - lq :], v[:, :, lk - lq :], True)
         if lk == lq:
             return own_o, own_lse
@@ -142,6 +164,22 @@ class CudnnSplitAttention(AttentionKernel):
         lse = torch.logaddexp(own_lse, pre_lse)
         o = own_o.float() * torch.exp(own_lse - lse).unsqueeze(-1) + pre_o.float() * torch.exp(pre_lse - lse).unsqueeze(-1)
         return o.to(q.dtype), lse
+
+    def backward(self, do, q, k, v, o, lse):
+        lq, lk, hq, hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+        q, do, o = q.contiguous(), do.contiguous(), o.contiguous()
+        ke, ve = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
+        dq, dk_own, dv_own = _cudnn_attention_backward(
+            do, q, ke[:, :, lk - lq :], ve[:, :, lk - lq :], o, lse, True
+        )
+        if lk == lq:
+            return dq, _sum_kv_groups(dk_own, hkv), _sum_kv_groups(dv_own, hkv)
+        dq_pre, dk_pre, dv_pre = _cudnn_attention_backward(
+            do, q, ke[:, :, : lk - lq], ve[:, :, : lk - lq], o, lse, False
+        )
+        dk = torch.cat([dk_pre, dk_own], dim=2)
+        dv = torch.cat([dv_pre, dv_own], dim=2)
+        return dq + dq_pre, _sum_kv_groups(dk, hkv), _sum_kv_groups(dv, hkv)
 
 
 class FlashAttention(AttentionKernel):

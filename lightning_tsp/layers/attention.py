@@ -19,7 +19,7 @@ from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
 from lightning_tsp.schedules.broadcast import broadcast_shards, reduce_to_owner
-from lightning_tsp.schedules.comm import all_gather, local_tensor, pack, reduce_scatter, unpack
+from lightning_tsp.schedules.comm import add_matmul_, all_gather, local_tensor, pack, reduce_scatter, unpack
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class BroadcastAttention(torch.autograd.Function):
         x2 = x.reshape(b * l, h)
         shapes = [wq.shape, wk.shape, wv.shape, wo.shape]
         local = pack([wq, wk, wv, wo], x.dtype)  # weights travel in the compute dtype
-        y = torch.zeros_like(x2)
+        y = torch.zeros(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         saved = []
         for _, buf in broadcast_shards(tsp, local):
             w_q, w_k, w_v, w_o = unpack(buf, shapes)
@@ -134,11 +134,11 @@ class BroadcastAttention(torch.autograd.Function):
             k_full, v_full = gather_kv(k, v, tsp)  # [B, nkv, S, d]
             o, lse = zigzag_attention(spec.kernel, q, k_full, v_full, tsp)
             del k_full, v_full
-            y.addmm_(_flat(o), w_o.T)
+            add_matmul_(y, _flat(o), w_o.T)
             saved += [q, k, v, o, lse]
         ctx.spec, ctx.shapes = spec, shapes
         ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, *saved)
-        return y.view(b, l, h)
+        return y.view(b, l, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -163,7 +163,8 @@ class BroadcastAttention(torch.autograd.Function):
             dq2 = _flat(apply_rope_backward(dq, cos, sin))
             dk2 = _flat(apply_rope_backward(dk.to(x.dtype), cos, sin))
             dv2 = _flat(dv.to(x.dtype))
-            dx.addmm_(dq2, w_q).addmm_(dk2, w_k).addmm_(dv2, w_v)
+            for grad_out, w in ((dq2, w_q), (dk2, w_k), (dv2, w_v)):
+                add_matmul_(dx, grad_out, w)
             owner.submit(j, pack([dq2.T @ x2, dk2.T @ x2, dv2.T @ x2, d_wo], acc_dtype))
         grads = unpack(owner.result(), shapes)
         d_w = [g.to(w.dtype) for g, w in zip(grads, (wq, wk, wv, wo))]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.schedules.comm import local_tensor, pack, unpack
+from lightning_tsp.schedules.comm import add_matmul_, local_tensor, pack, unpack
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 
@@ -24,16 +24,17 @@ class RingMLP(torch.autograd.Function):
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
-        y = torch.zeros_like(x2)
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        y = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)  # D partial sums: accumulate in fp32
         saved = [None] * (2 * tsp.size)  # gate/up pre-activations [B*L, F/D], indexed by shard
         for s, buf in ring_shards(tsp, pack([w_gate, w_up, w_down], x.dtype)):
             wg, wu, wd = unpack(buf, shapes)
             gate, up = x2 @ wg.T, x2 @ wu.T
-            y.addmm_(F.silu(gate) * up, wd.T)
+            add_matmul_(y, F.silu(gate) * up, wd.T)
             saved[2 * s], saved[2 * s + 1] = gate, up
         ctx.tsp, ctx.shapes = tsp, shapes
         ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
-        return y.view(b, l, h)
+        return y.view(b, l, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -53,7 +54,7 @@ class RingMLP(torch.autograd.Function):
             d_act = dy2 @ wd  # [B*L, F/D]
             d_up = d_act * act
             d_gate = d_act * up * sig * (1 + gate * (1 - sig))
-            dx.addmm_(d_gate, wg).addmm_(d_up, wu)
+            add_matmul_(add_matmul_(dx, d_gate, wg), d_up, wu)
             acc += pack([d_gate.T @ x2, d_up.T @ x2, dy2.T @ (act * up)], acc_dtype)
         d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
         return (dx.view(b, l, h).to(x.dtype), *d_w, None)

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", default="full", choices=CHECKPOINTING,
                    help="activation checkpointing per transformer layer (default full)")
     p.add_argument("--precision", default="bf16-mixed", choices=tuple(PRECISIONS), help="default bf16-mixed")
+    p.add_argument("--tsp-degree", type=int, default=None, metavar="D",
+                   help="only consider this TSP degree (checked strictly: divides gpus and heads, 2*D divides seq)")
     p.add_argument("--headroom", type=float, default=0.9,
                    help="fraction of HBM a layout may use to count as fitting (default 0.9)")
     p.add_argument("--no-overlap", action="store_true",
@@ -84,10 +86,12 @@ def _breakdown(e: Estimate) -> str:
         per = e.comm_bytes(phase=ph)
         txt = ", ".join(f"{op} {v / 1e9:,.2f}" for op, v in per.items() if v)
         lines.append(f"  per step {ph} GB (logical): {txt or '-'}")
-    lines.append(f"  per step wire GB/GPU: intra {e.step_wire('intra') / 1e9:.2f}, inter {e.step_wire('inter') / 1e9:.2f}")
-    lines.append(f"  FLOPs/GPU/step: model {e.flops['model'] / 1e12:,.1f} T, hardware {e.flops['hardware'] / 1e12:,.1f} T;"
-                 f" compute {e.compute_s:.3f} s, overlappable comm {e.comm_overlap_s:.3f} s, exposed comm "
-                 f"{e.comm_exposed_s:.3f} s -> step {e.step_s:.3f} s")
+    lines.append(f"  per step wire GB/GPU: intra {e.step_wire('intra') / 1e9:.2f}, "
+                 f"inter {e.step_wire('inter') / 1e9:.2f}")
+    lines.append(f"  FLOPs/GPU/step: model {e.flops['model'] / 1e12:,.1f} T, "
+                 f"hardware {e.flops['hardware'] / 1e12:,.1f} T; compute {e.compute_s:.3f} s, "
+                 f"overlappable comm {e.comm_overlap_s:.3f} s, exposed comm {e.comm_exposed_s:.3f} s "
+                 f"-> step {e.step_s:.3f} s")
     return "\n".join(lines)
 
 
@@ -97,6 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = argv[1:]
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plot:  # fail before any work if the plot cannot be drawn
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            print("error: --plot needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
+            return 1
     try:
         shape = get_model_shape(args.model)
         hw = get_hardware(args.gpu)
@@ -104,11 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.headroom <= 1:
             raise PlanError(f"--headroom {args.headroom} must be in (0, 1]")
         plan = make_plan(shape, hw, prec, args.seq_len, args.gpus, args.gpus_per_node, args.micro_batch,
-                         args.checkpointing, overlap=not args.no_overlap, headroom=args.headroom)
+                         args.checkpointing, overlap=not args.no_overlap, headroom=args.headroom,
+                         tsp_degree=args.tsp_degree)
     except (ValueError, OSError) as exc:  # PlanError is a ValueError
         parser.error(str(exc))
     print(_describe_model(shape))
-    print(f"{args.gpus} x {hw.name} ({args.gpus // args.gpus_per_node} nodes of {args.gpus_per_node}), "
+    nodes = args.gpus // args.gpus_per_node
+    print(f"{args.gpus} x {hw.name} ({nodes} node{'s' if nodes > 1 else ''} of {args.gpus_per_node}), "
           f"{hw.hbm_bytes / GiB:.0f} GiB HBM, {hw.sustained_flops / 1e12:.0f} TFLOP/s sustained bf16; "
           f"seq {args.seq_len}, micro-batch {args.micro_batch}, {prec.name}, checkpointing {args.checkpointing}")
     print()

@@ -168,7 +168,7 @@ def tsp_layer_collectives(
     return out
 
 
-def _vocab_ring(shape: ModelShape, D: int, w_bytes: int, training: bool, what: What) -> Tally:
+def _vocab_ring(shape: ModelShape, D: int, w_bytes: int, training: bool, what: What, bwd_weights: bool) -> Tally:
     t = _empty()
     if D == 1:
         return t
@@ -176,24 +176,38 @@ def _vocab_ring(shape: ModelShape, D: int, w_bytes: int, training: bool, what: W
     by = what == "bytes"
     t["forward"]["send"] = (D - 1) * (shard * w_bytes if by else 1)
     if training:
-        t["backward"]["send"] = (D - 1) * ((shard * w_bytes + shard * G_BYTES) if by else 2)
+        if bwd_weights:
+            t["backward"]["send"] = (D - 1) * ((shard * w_bytes + shard * G_BYTES) if by else 2)
+        else:
+            t["backward"]["send"] = (D - 1) * (shard * G_BYTES if by else 1)
     return t
 
 
 def tsp_embedding_collectives(
-    shape: ModelShape, D: int, w_bytes: int, training: bool = True, what: What = "bytes"
+    shape: ModelShape, D: int, param_bytes: int, training: bool = True, what: What = "bytes",
+    backward_weight_sends: bool = False,
 ) -> Tally:
-    """Vocab-sharded embedding ring: forward D-1 shard sends; backward D-1 weight + D-1 fp32 accumulator sends."""
+    """Vocab-sharded embedding ring (shard = ceil(V/D) * h elements).
+
+    Forward: D-1 shard sends. The shard travels in the embedding PARAMETER's dtype (``param_bytes``: the lookup
+    runs outside autocast, like ``nn.Embedding``; 4 under bf16-mixed and 32-true, 2 under bf16-true).
+    Backward: D-1 fp32 gradient-accumulator sends; the embedding's backward needs no weights, so the
+    implementation sends none (``backward_weight_sends=True`` models a ring that also moves them: D-1 more sends
+    of ``param_bytes`` each).
+    """
     _check_what(what)
-    return _vocab_ring(shape, D, w_bytes, training, what)
+    t = _vocab_ring(shape, D, param_bytes, training, what, backward_weight_sends)
+    return t
 
 
 def tsp_lm_head_collectives(
     shape: ModelShape, D: int, w_bytes: int, training: bool = True, what: What = "bytes"
 ) -> Tally:
-    """LM-head ring (ring cross-entropy): same calls as the embedding ring (a tied head still runs its own ring)."""
+    """LM-head ring (ring cross-entropy with an online log-sum-exp): forward D-1 shard sends in the compute dtype;
+    backward D-1 weight sends (the logits are recomputed) + D-1 fp32 accumulator sends. A tied head runs its own
+    ring over the embedding's shard: same calls."""
     _check_what(what)
-    return _vocab_ring(shape, D, w_bytes, training, what)
+    return _vocab_ring(shape, D, w_bytes, training, what, True)
 
 
 def tsp_final_norm_collectives(shape: ModelShape, D: int, training: bool = True, what: What = "bytes") -> Tally:
@@ -206,17 +220,21 @@ def tsp_final_norm_collectives(shape: ModelShape, D: int, training: bool = True,
 
 
 def tsp_loss_collectives(
-    D: int, what: What = "bytes", count_elem_bytes: int = 8, loss_elem_bytes: int = 8
+    D: int, what: What = "bytes", count_elem_bytes: int = 8, loss_elem_bytes: int = 8, count_reduced: bool = True
 ) -> Tally:
-    """Loss: 2 all-reduces of one element each in forward (the valid-token count and the loss sum).
+    """Loss: all-reduces of one element each in forward: the valid-token count and the loss sum.
 
-    Their dtypes depend on the implementation (fp32/float64 count, loss in the activation dtype); both are counted
-    as 8 bytes by default (an upper bound; pass the real element sizes to compare exactly). Negligible either way.
-    """
+    Both are counted as 8 bytes by default (an upper bound). The implementation reduces a float64 count (8) and
+    an fp32 sum (the per-token losses promoted to at least fp32: 4), so ``loss_elem_bytes=4`` is exact.
+    ``count_reduced=False`` when the caller passes the count (e.g. normalising over data-parallel replicas too):
+    then only the loss sum. Negligible either way; the differentiable sum's backward is the identity."""
     _check_what(what)
     t = _empty()
     if D > 1:
-        t["forward"]["all_reduce"] = count_elem_bytes + loss_elem_bytes if what == "bytes" else 2
+        if what == "bytes":
+            t["forward"]["all_reduce"] = loss_elem_bytes + (count_elem_bytes if count_reduced else 0)
+        else:
+            t["forward"]["all_reduce"] = 1 + int(count_reduced)
     return t
 
 
@@ -229,13 +247,16 @@ def tsp_step_collectives(
     training: bool = True,
     checkpointing: str = "none",
     what: What = "bytes",
+    param_bytes: int | None = None,
 ) -> Tally:
     """Everything one TSP rank issues in one step (one micro-batch): n_layers layers + embedding + LM head +
-    final norm + loss. Excludes the data-parallel gradient reduction (it is not a TSP-group collective)."""
+    final norm + loss. ``param_bytes``: element size of the stored parameters (the embedding ring moves them as
+    stored; default ``w_bytes``; 4 under bf16-mixed). Excludes the data-parallel gradient reduction (it is not a
+    TSP-group collective)."""
     layer = tsp_layer_collectives(shape, B, S, D, w_bytes, training, checkpointing, what)
     return add_tallies(
         scale_tally(layer, shape.n_layers),
-        tsp_embedding_collectives(shape, D, w_bytes, training, what),
+        tsp_embedding_collectives(shape, D, w_bytes if param_bytes is None else param_bytes, training, what),
         tsp_lm_head_collectives(shape, D, w_bytes, training, what),
         tsp_final_norm_collectives(shape, D, training, what),
         tsp_loss_collectives(D, what),

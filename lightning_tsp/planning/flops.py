@@ -63,7 +63,8 @@ def training_flops(
     """
     f = forward_flops(shape, B, S, causal)
     model = 3 * (f["linear"] + f["attention"] + f["lm_head"])
-    hw = f["linear"] * 3 + f["attention"] * 1 + int(f["attention"] * 2.5) + f["lm_head"] * 3
-    if checkpointing == "full":
-        hw += f["linear"] + f["attention"]
-    return {"forward": sum(f.values()), "model": model, "hardware": hw}
+    recompute = 1 if checkpointing == "full" else 0
+    hw_matmul = f["linear"] * (3 + recompute) + f["lm_head"] * 3
+    hw_attn = f["attention"] * (1 + recompute) + f["attention"] * 5 // 2
+    return {"forward": sum(f.values()), "model": model, "hardware": hw_matmul + hw_attn,
+            "hardware_matmul": hw_matmul, "hardware_attention": hw_attn}

@@ -25,6 +25,7 @@ class Hardware:
     intra_p2p_bw: float  # bytes/s per GPU per direction, one send to one peer inside a node
     inter_bw: float  # bytes/s per GPU per direction across nodes
     measured_gemm_tflops: float | None = None  # a measured large bf16 GEMM rate, if we have one
+    measured_attention_tflops: float | None = None  # measured causal attention fwd+bwd rate (bf16, hd 128)
 
     @property
     def gemm_efficiency(self) -> float:
@@ -34,20 +35,32 @@ class Hardware:
 
     @property
     def sustained_flops(self) -> float:
-        """FLOP/s used for step-time estimates (bf16)."""
+        """FLOP/s of the projections / MLP / LM-head matmuls in step-time estimates (bf16)."""
         return self.peak_bf16_tflops * self.gemm_efficiency * 1e12
+
+    @property
+    def attention_flops(self) -> float:
+        """FLOP/s of the attention kernels (QK^T, PV and their backward) in step-time estimates (bf16).
+        Measured on H200 for TSP's zigzag calls (cuDNN, split + log-sum-exp merge): 540-562 -> 550; the same
+        fraction of the peak (0.556) is assumed elsewhere."""
+        tflops = self.measured_attention_tflops or self.peak_bf16_tflops * _H200_ATTN / _H200_PEAK
+        return tflops * 1e12
 
 
 # Measured on one H200 (torch 2.11, large bf16 GEMM): 773 TFLOP/s. Source: /work/shared/reference/anchors.md.
 _H200_MEASURED = 773.0
 _H200_PEAK = 989.5
 _H200_EFF = _H200_MEASURED / _H200_PEAK
+# Measured on one H200: TSP's zigzag attention calls (c = 8192 queries vs a causal prefix, bf16, hd 128),
+# fwd+bwd, cuDNN SDPA split into prefix + own chunk merged by log-sum-exp: 540-562 TFLOP/s (anchors.md).
+_H200_ATTN = 550.0
 
 HARDWARE_PRESETS: dict[str, Hardware] = {
     # NVIDIA H200 SXM datasheet: BF16 tensor core 1,979 TFLOP/s *with sparsity* -> 989.5 dense; 141 GB HBM3e;
     # NVLink 4 via NVSwitch 900 GB/s bidirectional per GPU -> 450 GB/s per direction.
     # DGX H200: 8 x ConnectX-7 400 Gb/s (one NIC per GPU) -> 50 GB/s per GPU per direction.
-    "h200": Hardware("h200", _H200_PEAK, 141 * GiB, 450 * GB, 450 * GB, 50 * GB, measured_gemm_tflops=_H200_MEASURED),
+    "h200": Hardware("h200", _H200_PEAK, 141 * GiB, 450 * GB, 450 * GB, 50 * GB, measured_gemm_tflops=_H200_MEASURED,
+                     measured_attention_tflops=_H200_ATTN),
     # NVIDIA H100 SXM5 datasheet: BF16 1,979 TFLOP/s with sparsity -> 989.4 dense; 80 GB HBM3;
     # NVLink 4 900 GB/s bidirectional; DGX H100: 8 x ConnectX-7 400 Gb/s NDR, one per GPU.
     "h100": Hardware("h100", 989.4, 80 * GiB, 450 * GB, 450 * GB, 50 * GB),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .hardware import GiB, Hardware
@@ -30,7 +31,27 @@ def _next_multiple(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def validate(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node: int, micro_batch: int = 1) -> list[int]:
+def _validate_degree(shape: ModelShape, seq_len: int, gpus: int, D: int) -> None:
+    if D < 2:
+        raise PlanError(f"--tsp-degree {D} must be at least 2")
+    if gpus % D:
+        raise PlanError(f"--tsp-degree {D} does not divide --gpus {gpus}: use a divisor of {gpus}")
+    if shape.n_heads % D:
+        raise PlanError(f"--tsp-degree {D} does not divide n_heads={shape.n_heads}: use a divisor of "
+                        f"{shape.n_heads} ({[d for d in divisors(shape.n_heads) if d >= 2 and gpus % d == 0]})")
+    if not (shape.n_kv_heads % D == 0 or D % shape.n_kv_heads == 0):
+        raise PlanError(f"--tsp-degree {D}: n_kv_heads={shape.n_kv_heads} must divide D or be divisible by it")
+    if shape.intermediate_size % D:
+        raise PlanError(f"--tsp-degree {D} does not divide intermediate_size={shape.intermediate_size}")
+    if seq_len % (2 * D):
+        raise PlanError(
+            f"--seq-len {seq_len} is not divisible by 2*D = {2 * D} (zigzag layout for --tsp-degree {D}): use "
+            f"--seq-len {_next_multiple(seq_len, 2 * D)}"
+        )
+
+
+def validate(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node: int, micro_batch: int = 1,
+             tsp_degree: int | None = None) -> list[int]:
     """Raise PlanError for impossible inputs; return the usable TSP degrees D (>= 2) for this request."""
     for name, v in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node), ("--seq-len", seq_len),
                     ("--micro-batch", micro_batch)):
@@ -43,15 +64,21 @@ def validate(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node: int, mic
             f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: use whole nodes "
             f"(e.g. --gpus {lo} or --gpus {hi}), or set --gpus-per-node to a divisor of {gpus}"
         )
+    if tsp_degree is not None:
+        _validate_degree(shape, seq_len, gpus, tsp_degree)
+        return [tsp_degree]
     if gpus == 1:
         return []
     cand = [d for d in divisors(gpus) if d >= 2]
     heads = [d for d in cand if shape.n_heads % d == 0 and (shape.n_kv_heads % d == 0 or d % shape.n_kv_heads == 0)]
     if not heads:
+        d = next((d for d in range(2, shape.n_heads + 1) if shape.n_heads % d == 0 and
+                  (shape.n_kv_heads % d == 0 or d % shape.n_kv_heads == 0)), None)
+        fix = (f"e.g. --gpus {math.lcm(gpus, d)} (D={d})" if d else "none exists for a single-head model")
         raise PlanError(
             f"n_heads={shape.n_heads} (n_kv_heads={shape.n_kv_heads}) of model {shape.name!r}: no TSP degree D in "
-            f"{cand} (the divisors of --gpus {gpus}) divides the head count. TSP needs n_heads % D == 0: pick "
-            f"--gpus with a divisor that divides {shape.n_heads}, or a model whose head count is a multiple of 2"
+            f"{cand} (the divisors of --gpus {gpus}) divides the head count. TSP needs n_heads % D == 0: use a "
+            f"--gpus that has such a divisor, {fix}"
         )
     ffn = [d for d in heads if shape.intermediate_size % d == 0]
     if not ffn:
@@ -71,7 +98,7 @@ def validate(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node: int, mic
 
 
 def candidate_layouts(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node: int,
-                      notes: list[str] | None = None) -> list[Layout]:
+                      notes: list[str] | None = None, tsp_degree: int | None = None) -> list[Layout]:
     """Every layout worth evaluating: model-parallel degrees divide the GPU count, heads / intermediate / sequence
     constraints hold; the rest of the GPUs are data-parallel replicas."""
     notes = notes if notes is not None else []
@@ -87,6 +114,8 @@ def candidate_layouts(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node:
             continue
         out.append(Layout("tp", gpus, gpn, tp=d))
         out.append(Layout("tp_sp", gpus, gpn, tp=d))
+        if tsp_degree is not None and d != tsp_degree:
+            continue
         if seq_len % (2 * d) == 0:
             out.append(Layout("tsp", gpus, gpn, tsp=d))
         else:
@@ -114,31 +143,40 @@ class Plan:
 
 
 THROUGHPUT_TIE = 0.02  # layouts within 2% of the best throughput count as equally fast
+OVERLAP_SLACK = 0.5  # hidden communication above this fraction of compute time is a risk (overlap is imperfect)
 
 
 def _rank_key(e: Estimate):
     return (not e.fits, -e.tokens_per_s if e.fits else e.peak_bytes)
 
 
+def _risky(e: Estimate) -> bool:
+    return e.comm_overlap_s > OVERLAP_SLACK * e.compute_s
+
+
 def _rank(ests: list[Estimate]) -> list[Estimate]:
-    """Fitting layouts first, fastest first; among those within THROUGHPUT_TIE of the fastest, the smallest
-    peak memory first (headroom for a larger micro-batch or context). Then non-fitting ones by memory."""
+    """Fitting layouts first, fastest first; among those within THROUGHPUT_TIE of the fastest, first those whose
+    overlapped communication needs less than OVERLAP_SLACK of the compute time to hide (robust to imperfect
+    overlap), then the smallest peak memory (headroom for a larger micro-batch or context). Then the layouts
+    that do not fit, by memory."""
     ests = sorted(ests, key=_rank_key)
     fit = [e for e in ests if e.fits]
     if fit:
         top = fit[0].tokens_per_s
-        tied = sorted((e for e in fit if e.tokens_per_s >= (1 - THROUGHPUT_TIE) * top), key=lambda e: e.peak_bytes)
+        tied = sorted((e for e in fit if e.tokens_per_s >= (1 - THROUGHPUT_TIE) * top),
+                      key=lambda e: (_risky(e), e.peak_bytes))
         rest = [e for e in ests if e not in tied]
         ests = tied + rest
     return ests
 
 
 def make_plan(shape: ModelShape, hw: Hardware, precision: Precision, seq_len: int, gpus: int, gpus_per_node: int,
-              micro_batch: int = 1, checkpointing: str = "full", overlap: bool = True, headroom: float = 0.9
-              ) -> Plan:
-    validate(shape, seq_len, gpus, gpus_per_node, micro_batch)
+              micro_batch: int = 1, checkpointing: str = "full", overlap: bool = True, headroom: float = 0.9,
+              tsp_degree: int | None = None) -> Plan:
+    """Validate, enumerate and rank every candidate layout (``tsp_degree`` restricts TSP to one D)."""
+    validate(shape, seq_len, gpus, gpus_per_node, micro_batch, tsp_degree)
     notes: list[str] = []
-    layouts = candidate_layouts(shape, seq_len, gpus, gpus_per_node, notes)
+    layouts = candidate_layouts(shape, seq_len, gpus, gpus_per_node, notes, tsp_degree)
     ests = [estimate(shape, l, hw, precision, micro_batch, seq_len, checkpointing, overlap, headroom)
             for l in layouts]
     ests = _rank(ests)
@@ -153,7 +191,8 @@ def make_plan(shape: ModelShape, hw: Hardware, precision: Precision, seq_len: in
         tied = sum(1 for e in ests if e.fits and e.tokens_per_s >= (1 - THROUGHPUT_TIE) * best.tokens_per_s)
         how = ("highest estimated throughput among layouts that fit" if tied == 1 else
                f"lowest peak memory among the {tied} fitting layouts within {THROUGHPUT_TIE:.0%} of the best "
-               f"estimated throughput")
+               f"estimated throughput" + ("" if _risky(best) else
+                                          f" whose hidden communication needs < {OVERLAP_SLACK:.0%} of compute"))
         reason = (f"{how} ({best.tokens_per_s:,.0f} tok/s, "
                   f"{best.peak_bytes / GiB:.1f} GiB of the {cap:.0f} GiB usable); {where}; "
                   f"{best.layout.dp} data-parallel replica(s)")

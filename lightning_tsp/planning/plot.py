@@ -75,7 +75,7 @@ def plot_memory_vs_seq(path: str, shape: ModelShape, hw: Hardware, precision: Pr
         raise MissingMatplotlib("--plot needs matplotlib: pip install matplotlib") from exc
     seq_lens = default_seq_lens(seq_len, gpus_per_node)
     curves = memory_curves(shape, precision, gpus, gpus_per_node, micro_batch, checkpointing, seq_lens)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for label, ys in curves.items():
         ax.plot(seq_lens, ys, marker="o", linewidth=2.5 if label.startswith("TSP") else 1.5, label=label)
     ax.axhline(hw.hbm_bytes / GiB, color="k", linestyle="--", linewidth=1, label=f"{hw.name} HBM")
@@ -90,7 +90,7 @@ def plot_memory_vs_seq(path: str, shape: ModelShape, hw: Hardware, precision: Pr
     ax.set_title(f"{shape.name}: {precision.name}, checkpointing={checkpointing}, micro-batch {micro_batch}, "
                  f"{min(gpus_per_node, gpus)} GPUs per model replica", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

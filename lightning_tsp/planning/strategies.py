@@ -133,7 +133,7 @@ class Estimate:
     checkpointing: str
     memory: dict[str, float]  # component -> bytes; "peak" is the total
     comm: list[CommEntry]
-    flops: dict[str, float]  # per device per step: "model", "hardware"
+    flops: dict[str, float]  # per device per step: "model", "hardware" (= "hardware_matmul" + "hardware_attention")
     compute_s: float
     comm_overlap_s: float
     comm_exposed_s: float
@@ -210,33 +210,41 @@ def local_params(shape: ModelShape, layout: Layout) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: float, T_norm: float, T_tok: float,
-                       q_heads: int, kv_heads: int, F_loc: int, kv_gathered: float, norm_gathered: bool
-                       ) -> tuple[float, float]:
-    """(full, saved) activation bytes of one layer.
+                       q_heads: int, kv_heads: int, F_loc: int, kv_gathered: float, norm_gathered: bool,
+                       mlp_saved: int) -> tuple[float, float]:
+    """(full, saved) activation bytes of one layer on one GPU.
 
-    Saved for backward without checkpointing: the residual stream entering both norms (T_res tokens, residual
-    dtype), both norm outputs (T_norm tokens), q, k, v, attention output o (+ fp32 log-sum-exp per head; flash-style
-    attention keeps no S x S scores), SwiGLU gate and up pre-activations and their product, plus any gathered
-    full-sequence K/V a strategy keeps (SP, TPxSP). ``selective`` recomputes the norms (unless their output was
-    gathered: that would need communication) and the SwiGLU product; ``full`` keeps only the layer input.
+    Saved for backward without checkpointing:
+      RMSNorm x2: its input and the normalised tensor (residual dtype, T_res tokens) and its output cast to the
+        compute dtype (the projections' saved input; T_norm tokens: the full sequence when gathered, TP-SP);
+      attention: q, k, v (after RoPE), output o, and an fp32 log-sum-exp per head (flash-style kernels keep no
+        S x S scores);
+      SwiGLU: ``mlp_saved`` tensors of width F_loc: 4 with plain autograd (gate, silu(gate), up, their product),
+        2 in TSP's ring MLP (gate and up; silu and the product are recomputed in backward);
+      gathered full-sequence K/V, where a strategy keeps them (SP, TPxSP).
+    ``selective`` recomputes the norms (unless their output was gathered: that needs communication) and the
+    SwiGLU elementwise ops (keeps 2 F-wide tensors); ``full`` keeps only the layer input (residual dtype).
     """
     h, hd, a, r = shape.hidden_size, shape.hd, p.compute, p.residual
-    res = 2 * h * r * T_res
-    norm = 2 * h * a * T_norm
+    norm_in = 2 * h * r * T_res  # both norms' inputs
+    normalised = 2 * h * r * T_res
+    norm_out = 2 * h * a * T_norm
     attn = (2 * q_heads + 2 * kv_heads) * hd * a * T_tok + q_heads * 4 * T_tok
-    gate_up = 2 * F_loc * a * T_tok
-    prod = F_loc * a * T_tok
+    mlp = mlp_saved * F_loc * a * T_tok
     kvg = kv_gathered * a
-    full = res + norm + attn + gate_up + prod + kvg
+    full = norm_in + normalised + norm_out + attn + mlp + kvg
     if mode == "none":
         saved = full
     elif mode == "selective":
-        saved = full - prod - (0 if norm_gathered else norm)
+        saved = norm_in + (norm_out if norm_gathered else 0) + attn + 2 * F_loc * a * T_tok + kvg
     elif mode == "full":
         saved = h * r * T_res
     else:
         raise ValueError(f"checkpointing must be one of {C.CHECKPOINTING}, got {mode!r}")
     return full, saved
+
+
+LM_HEAD_TOKEN_CHUNK = 4096  # tokens per logit block in TSP's ring cross-entropy (TSPLMHead's default)
 
 
 def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, checkpointing: str
@@ -266,10 +274,10 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     nq, nkv, F = shape.n_heads, shape.n_kv_heads, shape.intermediate_size
     layer_transient = 0.0
     head_transient = 0.0
-    kw = dict(norm_gathered=False, kv_gathered=0.0)
+    kw = dict(norm_gathered=False, kv_gathered=0.0, mlp_saved=4)
     if s in ("dp", "fsdp"):
         kw.update(T_res=T, T_norm=T, T_tok=T, q_heads=nq, kv_heads=nkv, F_loc=F)
-        logits = T * V
+        logits_bytes = T * V * (a + 4)  # logits (compute dtype) + fp32 log-softmax kept for backward
         if s == "fsdp":
             lp = shape.layer_params
             layer_transient = 2 * lp * w + lp * p.grad  # gathered layer + prefetched next + unsharded grads
@@ -280,32 +288,40 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
         seq_sharded = s == "tp_sp"
         kw.update(T_res=T / t if seq_sharded else T, T_norm=T, T_tok=T, q_heads=nq // t,
                   kv_heads=_kv_local(nkv, t), F_loc=F // t, norm_gathered=seq_sharded)
-        logits = T * -(-V // t)
+        logits_bytes = T * -(-V // t) * (a + 4)  # vocab-parallel cross-entropy
     elif s == "sp":
         sig = layout.sp
         kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq, kv_heads=nkv, F_loc=F,
                   kv_gathered=2 * T * nkv * shape.hd)
-        logits = T / sig * V
+        logits_bytes = T / sig * V * (a + 4)
     elif s == "tp_x_sp":
         t, sig = layout.tp, layout.sp
         kvl = _kv_local(nkv, t)
         kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq // t, kv_heads=kvl, F_loc=F // t,
                   kv_gathered=2 * T * kvl * shape.hd)
-        logits = T / sig * -(-V // t)
+        logits_bytes = T / sig * -(-V // t) * (a + 4)
     else:  # tsp
         D = layout.tsp
-        kw.update(T_res=T / D, T_norm=T / D, T_tok=T / D, q_heads=nq, kv_heads=nkv, F_loc=F)
-        logits = T / D * -(-V // D)
+        T_loc = T / D
+        kw.update(T_res=T_loc, T_norm=T_loc, T_tok=T_loc, q_heads=nq, kv_heads=nkv, F_loc=F, mlp_saved=2)
+        # ring cross-entropy: one [chunk, V/D] fp32 logit block (+ fp32 exp / softmax block, compute-dtype grad)
+        logits_bytes = min(T_loc, LM_HEAD_TOKEN_CHUNK) * -(-V // D) * (4 + 4 + a)
         if D > 1:
-            attn = C.tsp_attn_shard_numel(shape, D)
-            mlp = C.tsp_mlp_shard_numel(shape, D)
+            A = C.tsp_attn_shard_numel(shape, D)
+            M = C.tsp_mlp_shard_numel(shape, D)
             kv = C.tsp_kv_gather_numel(shape, B, S, D)
-            # one attention shard (+ its fp32 weight-grad partial), gathered K/V of one head group (+ fp32 dK/dV
-            # before the reduce-scatter), double-buffered MLP ring shards (+ fp32 grad accumulators in backward)
-            layer_transient = attn * (w + C.G_BYTES) + kv * (a + C.G_BYTES) + 2 * mlp * (w + C.G_BYTES)
-            head_transient = 2 * C.tsp_vocab_shard_numel(shape, D) * (w + C.G_BYTES)
+            Vs = C.tsp_vocab_shard_numel(shape, D)
+            g = C.G_BYTES
+            # attention (backward is the larger phase): own packed shard + the one computing + the next in flight
+            # (3 A, compute dtype), the fp32 weight-grad partial being reduced + the own result (2 A fp32), the
+            # gathered K/V of one head group (compute dtype), fp32 dK/dV + its packed reduce-scatter input (2 x)
+            attn_tr = 3 * A * w + 2 * A * g + kv * a + 2 * kv * g
+            # MLP ring: own packed shard + current + next (3 M) and, in backward, the fp32 accumulator + the one
+            # arriving (2 M fp32)
+            mlp_tr = 3 * M * w + 2 * M * g
+            layer_transient = max(attn_tr, mlp_tr)  # attention and MLP run one after the other
+            head_transient = 3 * Vs * w + 2 * Vs * g + T_loc * h * 4  # LM-head ring + fp32 dx
     full, saved = _layer_activations(shape, p, checkpointing, **kw)
-    logits_bytes = logits * (a + 4)  # logits in the compute dtype + fp32 log-softmax kept for backward
     final_hidden = kw["T_res"] * h * p.residual
     mem["activations"] = shape.n_layers * saved
     mem["layer_working"] = (full - saved) + layer_transient
@@ -339,8 +355,10 @@ def _tsp_comm(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, m
     w = p.compute
     add(C.tsp_layer_collectives(shape, B, S, D, w, True, mode),
         C.tsp_layer_collectives(shape, B, S, D, w, True, mode, what="calls"), True, "layer")
-    for name, fn in (("embedding", C.tsp_embedding_collectives), ("lm_head", C.tsp_lm_head_collectives)):
-        add(fn(shape, D, w), fn(shape, D, w, what="calls"), False, name)
+    add(C.tsp_embedding_collectives(shape, D, p.weight), C.tsp_embedding_collectives(shape, D, p.weight, what="calls"),
+        False, "embedding")
+    add(C.tsp_lm_head_collectives(shape, D, w), C.tsp_lm_head_collectives(shape, D, w, what="calls"), False,
+        "lm_head")
     add(C.tsp_final_norm_collectives(shape, D), C.tsp_final_norm_collectives(shape, D, what="calls"), False,
         "final_norm")
     add(C.tsp_loss_collectives(D), C.tsp_loss_collectives(D, what="calls"), False, "loss")
@@ -451,9 +469,10 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
     comm = communication(shape, layout, p, B, S, checkpointing)
     tf = training_flops(shape, B, S, checkpointing)
     mp = layout.model_parallel
-    flops = {"model": tf["model"] / mp, "hardware": tf["hardware"] / mp}
-    rate = hw.sustained_flops if p.compute == 2 else hw.sustained_flops / 2  # fp32 matmuls (TF32 off): ~half
-    compute_s = flops["hardware"] / rate
+    flops = {k: tf[k] / mp for k in ("model", "hardware", "hardware_matmul", "hardware_attention")}
+    slow = 1 if p.compute == 2 else 2  # fp32 compute: assume TF32 tensor cores at half the bf16 rate
+    compute_s = slow * (flops["hardware_matmul"] / hw.sustained_flops
+                        + flops["hardware_attention"] / hw.attention_flops)
     ov = sum(_comm_time(e, hw, shape.n_layers) for e in comm if e.overlap and overlap)
     ex = sum(_comm_time(e, hw, shape.n_layers) for e in comm if not (e.overlap and overlap))
     step = max(compute_s, ov) + ex

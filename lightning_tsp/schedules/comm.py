@@ -38,7 +38,10 @@ def reduce_scatter(output: Tensor, input: Tensor, tsp: TSPGroup) -> None:
 
 
 def all_gather(output: Tensor, input: Tensor, tsp: TSPGroup) -> None:
-    dist.all_gather_into_tensor(output, input, group=tsp.group)
+    """Concatenate every member's ``input`` into ``output`` ([D * n] elements), in group-rank order."""
+    # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor; support both.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=tsp.group)
 
 
 def all_reduce_sum(t: Tensor, tsp: TSPGroup) -> Tensor:
@@ -75,6 +78,13 @@ class SumGradOverGroup(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         g = all_reduce_sum(grad.to(torch.promote_types(grad.dtype, torch.float32)), ctx.tsp)
         return g.to(grad.dtype), None
+
+
+def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b`` in place; ``acc`` may be a wider accumulator (fp32) than the bf16 operands."""
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    return acc.add_(a @ b)
 
 
 def local_tensor(p: Tensor) -> Tensor:

@@ -1,0 +1,348 @@
+"""Tests of the analytical cost model and planner (pure Python, no torch, no timings)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_tsp.planning import (
+    MODEL_PRESETS,
+    OPS,
+    ModelShape,
+    attention_pairs,
+    communication,
+    estimate,
+    forward_flops,
+    from_config,
+    from_hf_config,
+    get_hardware,
+    get_model_shape,
+    get_precision,
+    make_plan,
+    memory_breakdown,
+    training_flops,
+    tsp_embedding_collectives,
+    tsp_layer_collectives,
+    tsp_lm_head_collectives,
+    tsp_loss_collectives,
+    tsp_step_collectives,
+    wire_bytes,
+)
+from lightning_tsp.planning.cli import main
+from lightning_tsp.planning.hardware import GB
+from lightning_tsp.planning.planner import PlanError, candidate_layouts, validate
+from lightning_tsp.planning.strategies import Layout
+
+P7 = MODEL_PRESETS["paper-7b"]
+L3 = MODEL_PRESETS["llama3-8b"]
+TINY = MODEL_PRESETS["tiny"]
+H200 = get_hardware("h200")
+MIXED = get_precision("bf16-mixed")
+
+
+def peak(shape, layout, S, mode="full", B=1, prec=MIXED):
+    return memory_breakdown(shape, layout, prec, B, S, mode)["peak"]
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_presets_and_param_counts():
+    h = 4096
+    assert (P7.hd, P7.gqa_ratio) == (128, 1)
+    assert P7.non_embedding_params == 32 * (16 * h * h + 2 * h) + h  # F = 4h SwiGLU: 4h^2 + 12h^2 per layer
+    assert round(P7.non_embedding_params / 1e9, 2) == 8.59
+    assert (L3.gqa_ratio, L3.kv_dim) == (4, 1024)
+    assert (TINY.vocab_size, TINY.hidden_size, TINY.n_layers, TINY.n_heads, TINY.n_kv_heads,
+            TINY.intermediate_size) == (256, 64, 2, 4, 2, 128)
+
+
+def test_from_config_hf_json_and_objects(tmp_path):
+    cfg = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "tie_word_embeddings": False}
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(cfg))
+    s = from_hf_config(f)
+    assert s.total_params == L3.total_params
+    assert get_model_shape(str(f)).kv_dim == L3.kv_dim
+    assert get_model_shape(str(tmp_path)).n_layers == 32  # a directory holding config.json
+    # head_dim given explicitly (differs from hidden / heads)
+    s2 = from_config({**cfg, "head_dim": 256})
+    assert s2.hd == 256 and s2.q_dim == 32 * 256
+    # the built-in model's attribute names
+    s3 = from_config(SimpleNamespace(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                     intermediate_size=128))
+    assert s3.total_params == TINY.total_params
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model_shape("paper-70b")
+    with pytest.raises(ValueError, match="intermediate_size"):
+        from_config({"vocab_size": 1, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+
+
+# ---------------------------------------------------------------- exact TSP collectives
+
+
+def test_tsp_layer_collectives_tiny_by_hand():
+    # tiny, D=2, B=1, S=8, bf16: q heads/rank 2, kv heads/rank 1, hd 16, h 64, F 128.
+    w = 2
+    attn = (2 * 2 + 2 * 1) * 16 * 64  # 6144 elements per packed shard
+    kv = 2 * 1 * 8 * 1 * 16  # 256 elements gathered per call
+    mlp = 3 * 128 * 64 // 2  # 12288
+    b = tsp_layer_collectives(TINY, 1, 8, 2, w)
+    assert b["forward"] == {"broadcast": 2 * attn * w, "all_gather_into_tensor": 2 * kv * w,
+                            "reduce_scatter_tensor": 0, "reduce": 0, "all_reduce": 0, "send": mlp * w}
+    assert b["backward"] == {"broadcast": 2 * attn * w, "all_gather_into_tensor": 2 * kv * w,
+                             "reduce_scatter_tensor": 2 * kv * 4, "reduce": 2 * attn * 4,
+                             "all_reduce": 2 * 64 * 4, "send": mlp * w + mlp * 4}
+    c = tsp_layer_collectives(TINY, 1, 8, 2, w, what="calls")
+    assert c["forward"] == {"broadcast": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 0,
+                            "reduce": 0, "all_reduce": 0, "send": 1}
+    assert c["backward"] == {"broadcast": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2,
+                             "reduce": 2, "all_reduce": 2, "send": 2}
+    # full checkpointing: one more forward's worth inside backward; selective: no extra collectives
+    full = tsp_layer_collectives(TINY, 1, 8, 2, w, checkpointing="full")
+    for op in OPS:
+        assert full["backward"][op] == b["backward"][op] + b["forward"][op]
+    assert tsp_layer_collectives(TINY, 1, 8, 2, w, checkpointing="selective") == b
+    cfull = tsp_layer_collectives(TINY, 1, 8, 2, w, checkpointing="full", what="calls")
+    assert cfull["backward"]["broadcast"] == 4 and cfull["backward"]["send"] == 3
+
+
+def test_tsp_paper_config_layer_bytes():
+    # paper-7b at 128K, D=8, bf16: broadcasts move 4h^2 weights per layer, the K/V all-gathers 2*S*h.
+    h, S = 4096, 131072
+    b = tsp_layer_collectives(P7, 1, S, 8, 2)
+    assert b["forward"]["broadcast"] == 4 * h * h * 2
+    assert b["forward"]["all_gather_into_tensor"] == 2 * S * h * 2
+    assert b["forward"]["send"] == 7 * 12 * h * h // 8 * 2
+    assert b["backward"]["reduce_scatter_tensor"] == 2 * S * h * 4
+    assert b["backward"]["reduce"] == 4 * h * h * 4
+    # GQA (llama3-8b, g=4) shrinks the K/V all-gather 4x, same hidden size
+    g = tsp_layer_collectives(L3, 1, S, 8, 2)
+    assert g["forward"]["all_gather_into_tensor"] * 4 == b["forward"]["all_gather_into_tensor"]
+
+
+def test_tsp_collectives_edge_cases():
+    zero = {p: {op: 0 for op in OPS} for p in ("forward", "backward")}
+    assert tsp_layer_collectives(P7, 1, 4096, 1, 2) == zero  # D == 1 issues nothing
+    assert tsp_step_collectives(P7, 1, 4096, 1, 2) == zero
+    inf = tsp_layer_collectives(P7, 1, 4096, 8, 2, training=False)
+    assert all(v == 0 for v in inf["backward"].values()) and inf["forward"]["broadcast"] > 0
+    with pytest.raises(ValueError, match="multiple of 2\\*D"):
+        tsp_layer_collectives(P7, 1, 4104, 8, 2)  # 4104 % 16 != 0
+    with pytest.raises(ValueError, match="n_heads"):
+        tsp_layer_collectives(P7, 1, 4096 * 3, 3, 2)
+
+
+def test_tsp_step_collectives_sum_and_vocab_rings():
+    D, w, B, S = 8, 2, 1, 16384
+    shard = -(-P7.vocab_size // D) * P7.hidden_size
+    # embedding: moves the stored (fp32 under bf16-mixed) shard forward, only the fp32 accumulator backward
+    emb = tsp_embedding_collectives(P7, D, 4)
+    assert emb["forward"]["send"] == (D - 1) * shard * 4
+    assert emb["backward"]["send"] == (D - 1) * shard * 4
+    assert tsp_embedding_collectives(P7, D, 4, what="calls")["backward"]["send"] == D - 1
+    assert tsp_embedding_collectives(P7, D, 2, backward_weight_sends=True)["backward"]["send"] == (D - 1) * shard * 6
+    # LM head: compute-dtype shards both ways + fp32 accumulator in backward
+    head = tsp_lm_head_collectives(P7, D, w)
+    assert head["forward"]["send"] == (D - 1) * shard * w
+    assert head["backward"]["send"] == (D - 1) * shard * (w + 4)
+    assert tsp_lm_head_collectives(P7, D, w, what="calls")["backward"]["send"] == 2 * (D - 1)
+    # loss: counted as 8 + 8 bytes by default; exact for the implementation (float64 count + fp32 sum): 12
+    assert tsp_loss_collectives(D)["forward"]["all_reduce"] == 16
+    assert tsp_loss_collectives(D, loss_elem_bytes=4)["forward"]["all_reduce"] == 12
+    assert tsp_loss_collectives(D, what="calls")["forward"]["all_reduce"] == 2
+    assert tsp_loss_collectives(D, what="calls", count_reduced=False)["forward"]["all_reduce"] == 1
+    step = tsp_step_collectives(P7, B, S, D, w, checkpointing="full", param_bytes=4)
+    layer = tsp_layer_collectives(P7, B, S, D, w, checkpointing="full")
+    for ph in ("forward", "backward"):
+        for op in OPS:
+            extra = emb[ph][op] + head[ph][op] \
+                + (P7.hidden_size * 4 if (ph, op) == ("backward", "all_reduce") else 0) \
+                + (16 if (ph, op) == ("forward", "all_reduce") else 0)
+            assert step[ph][op] == P7.n_layers * layer[ph][op] + extra
+    calls = tsp_step_collectives(P7, B, S, D, w, what="calls")
+    assert calls["forward"]["broadcast"] == P7.n_layers * D
+    assert calls["forward"]["send"] == P7.n_layers * (D - 1) + 2 * (D - 1)
+    assert calls["backward"]["send"] == P7.n_layers * 2 * (D - 1) + (D - 1) + 2 * (D - 1)
+    assert calls["backward"]["all_reduce"] == 2 * P7.n_layers + 1
+
+
+def test_planner_tsp_comm_matches_exact_model():
+    lay = Layout("tsp", 8, 8, tsp=8)
+    est = estimate(P7, lay, H200, MIXED, 1, 65536, "full")
+    exact = tsp_step_collectives(P7, 1, 65536, 8, 2, checkpointing="full", param_bytes=4)
+    for ph in ("forward", "backward"):
+        got = est.comm_bytes(phase=ph, group="tsp")
+        assert got == pytest.approx({op: float(v) for op, v in exact[ph].items()})
+    assert est.step_wire("inter") == 0  # one replica inside one node
+
+
+def test_wire_factors():
+    assert wire_bytes("all_gather_into_tensor", 800, 8) == pytest.approx(700)
+    assert wire_bytes("all_reduce", 800, 8) == pytest.approx(1400)
+    assert wire_bytes("send", 800, 8) == 800
+    assert wire_bytes("broadcast", 800, 1) == 0
+
+
+# ---------------------------------------------------------------- the paper's qualitative results
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_tsp_lowest_memory_at_128k_on_8_gpus(mode):
+    S = 131072
+    layouts = candidate_layouts(P7, S, 8, 8)
+    assert {l.strategy for l in layouts} == {"dp", "fsdp", "tp", "tp_sp", "sp", "tp_x_sp", "tsp"}
+    mems = {(l.strategy, l.degrees): peak(P7, l, S, mode) for l in layouts}
+    best = min(mems, key=mems.get)
+    assert best == ("tsp", "D=8"), sorted(mems.items(), key=lambda kv: kv[1])[:3]
+    # and clearly below the paper's TP and TP+SP baselines
+    tsp = mems[("tsp", "D=8")]
+    assert mems[("tp", "T=8")] > 1.8 * tsp
+    assert min(mems[("tp_x_sp", "T=4 S=2")], mems[("tp_x_sp", "T=2 S=4")]) > 1.5 * tsp
+
+
+def test_tsp_close_to_tp_at_16k_where_parameters_dominate():
+    tsp, tp = Layout("tsp", 8, 8, tsp=8), Layout("tp", 8, 8, tp=8)
+    m_tsp = memory_breakdown(P7, tsp, MIXED, 1, 16384, "full")
+    m_tp = memory_breakdown(P7, tp, MIXED, 1, 16384, "full")
+    for m in (m_tsp, m_tp):  # parameter-proportional memory dominates at short context
+        assert (m["weights"] + m["compute_copy"] + m["grads"] + m["optimizer"]) / m["peak"] > 0.6
+    gap16 = 1 - m_tsp["peak"] / m_tp["peak"]
+    gap128 = 1 - peak(P7, tsp, 131072) / peak(P7, tp, 131072)
+    assert 0 <= gap16 < 0.5 * gap128
+    # TSP and Megatron TP-SP hold the same parameter shards: same memory when parameters dominate
+    assert peak(P7, tsp, 16384) == pytest.approx(peak(P7, Layout("tp_sp", 8, 8, tp=8), 16384), rel=0.05)
+
+
+@pytest.mark.parametrize("B", [1, 2, 4])
+def test_traffic_crossover_bs_ge_8h(B):
+    """TSP's forward bytes per layer <= plain TP's iff B*S >= 8h (MHA, FFN 4x, wire level, same D)."""
+    h, D = P7.hidden_size, 8
+
+    def fwd_layer_wire(strategy):
+        lay = Layout(strategy, D, D, **({"tsp": D} if strategy == "tsp" else {"tp": D}))
+        ents = communication(P7, lay, MIXED, B, S, "none")
+        return sum(e.wire for e in ents if e.per_layer and e.phase == "forward")
+
+    for S in [2048, 8192, 8 * h // B - 2 * D, 8 * h // B, 8 * h // B + 2 * D, 65536, 131072]:
+        tsp, tp = fwd_layer_wire("tsp"), fwd_layer_wire("tp")
+        assert (tsp <= tp * (1 + 1e-12)) == (B * S >= 8 * h), (B, S, tsp, tp)
+    S = 8 * h // B
+    assert fwd_layer_wire("tsp") == pytest.approx(fwd_layer_wire("tp"))
+
+
+def test_gqa_tsp_traffic_below_tp_sp_at_long_context():
+    S, D = 131072, 8
+    tsp = estimate(L3, Layout("tsp", D, D, tsp=D), H200, MIXED, 1, S, "full")
+    tpsp = estimate(L3, Layout("tp_sp", D, D, tp=D), H200, MIXED, 1, S, "full")
+    assert tsp.step_wire("intra") < 0.5 * tpsp.step_wire("intra")
+
+
+def test_memory_scales_with_degree_and_precision():
+    S = 65536
+    m2 = memory_breakdown(P7, Layout("tsp", 8, 8, tsp=2), MIXED, 1, S, "full")
+    m8 = memory_breakdown(P7, Layout("tsp", 8, 8, tsp=8), MIXED, 1, S, "full")
+    assert m2["optimizer"] / m8["optimizer"] == pytest.approx(4, rel=0.01)
+    assert m2["activations"] / m8["activations"] == pytest.approx(4)
+    true16 = memory_breakdown(P7, Layout("tsp", 8, 8, tsp=8), get_precision("bf16-true"), 1, S, "full")
+    assert true16["weights"] + true16["grads"] + true16["optimizer"] == pytest.approx(
+        (m8["weights"] + m8["grads"] + m8["optimizer"]) / 2)
+    order = [peak(P7, Layout("tsp", 8, 8, tsp=8), S, mode) for mode in ("none", "selective", "full")]
+    assert order[0] > order[1] > order[2]
+
+
+def test_calibration_against_measured_h200_baselines():
+    """anchors.md: paper 7B, D=8, bf16-mixed + AdamW, full checkpointing, measured peak GB on one H200."""
+    measured = {("tp", 16384): 25.09, ("tp", 131072): 98.82, ("tp_sp", 16384): 22.79, ("tp_sp", 131072): 35.20}
+    for (strategy, S), gb in measured.items():
+        model = peak(P7, Layout(strategy, 8, 8, tp=8), S) / GB
+        assert model == pytest.approx(gb, rel=0.2), (strategy, S, model, gb)
+    # compute-only step time of TP-SP at 128K (communication excluded there too): 6.172 s measured
+    est = estimate(P7, Layout("tp_sp", 8, 8, tp=8), H200, MIXED, 1, 131072, "full")
+    assert est.compute_s == pytest.approx(6.172, rel=0.15)
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def test_flops_causal_exact_and_linear():
+    assert attention_pairs(4) == 10 and attention_pairs(4, causal=False) == 16
+    S = 4096
+    f = forward_flops(P7, 1, S)
+    assert f["attention"] == P7.n_layers * 4 * P7.n_heads * P7.hd * S * (S + 1) // 2
+    matmul_params = P7.n_layers * (P7.attn_params + P7.mlp_params)
+    assert f["linear"] == 2 * S * matmul_params
+    assert f["lm_head"] == 2 * S * P7.hidden_size * P7.vocab_size
+    t = training_flops(P7, 1, S, "full")
+    assert t["model"] == 3 * f["linear"] + 3 * f["attention"] + 3 * f["lm_head"]
+    assert t["hardware"] > t["model"]  # flash backward recomputes QK^T, full checkpointing re-runs forward
+
+
+# ---------------------------------------------------------------- planner and CLI
+
+
+def test_validation_messages():
+    with pytest.raises(PlanError, match=r"--gpus 1001 is not a multiple of --gpus-per-node 8.*--gpus 1000"):
+        validate(P7, 131072, 1001, 8)
+    three = ModelShape(1000, 96, 2, 3, 3, 256, name="three")
+    with pytest.raises(PlanError, match=r"n_heads=3.*--gpus 24"):
+        validate(three, 1024, 8, 8)
+    with pytest.raises(PlanError, match=r"--seq-len 1001 .*2\*D.*--seq-len 1008"):
+        validate(P7, 1001, 8, 8)
+    with pytest.raises(PlanError, match=r"--seq-len 131080 .*16.*--seq-len 131088"):
+        validate(P7, 131080, 8, 8, tsp_degree=8)
+    assert validate(P7, 131072, 1024, 8) == [2, 4, 8, 16, 32]
+
+
+def test_plan_recommends_tsp_per_node_for_paper_config():
+    plan = make_plan(P7, H200, MIXED, 131072, 1024, 8, checkpointing="full")
+    rec = plan.recommended
+    assert rec.fits and rec.layout.strategy == "tsp" and rec.layout.tsp == 8 and rec.layout.dp == 128
+    assert "throughput" in plan.reason
+
+
+def test_cli_table_and_errors(capsys):
+    assert main(["plan", "--model", "paper-7b", "--seq-len", "128K", "--gpus", "1024", "--gpus-per-node", "8",
+                 "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: TSP x DP D=8" in out and "TP-SP" in out and "mem GiB" in out
+    assert main(["--model", "tiny", "--seq-len", "1024", "--gpus", "8", "--gpu", "mi300x",
+                 "--checkpointing", "none", "--precision", "32-true", "--all"]) == 0
+    for argv, needle in [
+        (["--gpus", "12"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
+        (["--gpu", "a100"], "unknown gpu 'a100'"),
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--seq-len", "1001"], "--seq-len 1001"),
+    ]:
+        base = {"--model": "paper-7b", "--seq-len": "131072", "--gpus": "16", "--gpus-per-node": "8"}
+        base.update(dict(zip(argv[::2], argv[1::2])))
+        with pytest.raises(SystemExit) as exc:
+            main([x for kv in base.items() for x in kv])
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_cli_plot_without_matplotlib(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    rc = main(["--model", "tiny", "--seq-len", "1024", "--gpus", "8", "--plot", str(tmp_path / "m.png")])
+    assert rc == 1
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_cli_plot_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "m.png"
+    assert main(["--model", "paper-7b", "--seq-len", "131072", "--gpus", "8", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 1000
+
+
+def test_module_entry_point_exists():
+    import importlib.util
+
+    assert importlib.util.find_spec("lightning_tsp.planning.__main__") is not None
+    assert math.isfinite(estimate(TINY, Layout("tsp", 2, 2, tsp=2), H200, MIXED, 1, 64).step_s)
