@@ -215,8 +215,11 @@ def test_tsp_close_to_tp_at_16k_where_parameters_dominate():
     gap16 = 1 - m_tsp["peak"] / m_tp["peak"]
     gap128 = 1 - peak(P7, tsp, 131072) / peak(P7, tp, 131072)
     assert 0 <= gap16 < 0.5 * gap128
-    # TSP and Megatron TP-SP hold the same parameter shards: same memory when parameters dominate
-    assert peak(P7, tsp, 16384) == pytest.approx(peak(P7, Layout("tp_sp", 8, 8, tp=8), 16384), rel=0.05)
+    # TSP and Megatron TP-SP hold the same parameter shards: close when parameters dominate (TP-SP also keeps
+    # autocast's bf16 copy of its resident weights, TSP only the shards in flight)
+    tp_sp16 = peak(P7, Layout("tp_sp", 8, 8, tp=8), 16384)
+    assert peak(P7, tsp, 16384) <= tp_sp16
+    assert peak(P7, tsp, 16384) == pytest.approx(tp_sp16, rel=0.15)
 
 
 @pytest.mark.parametrize("B", [1, 2, 4])

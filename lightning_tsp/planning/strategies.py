@@ -244,6 +244,10 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
     return full, saved
 
 
+# The fused AdamW (torch.optim.AdamW(fused=True), used by the benchmark harness) updates in place; the foreach
+# implementation materialises one temporary per parameter of the state dtype (half the optimizer-state bytes).
+FUSED_OPTIMIZER = True
+
 LM_HEAD_TOKEN_CHUNK = 4096  # tokens per logit block in TSP's ring cross-entropy (TSPLMHead's default)
 
 
@@ -251,9 +255,9 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
                      ) -> dict[str, float]:
     """Peak bytes on one GPU and its parts.
 
-    train_peak = weights + compute_copy + grads + optimizer      (model states)
-               + n_layers * saved_per_layer                       ("activations")
-               + max(layer_working, head_working)
+    train_peak = weights + compute_copy + optimizer
+               + max(n_layers * saved_per_layer + max(layer_working, head_working),   (start of backward)
+                     grads + layer_working)                                             (end of backward)
     optimizer_step_peak = weights + grads + 1.5 * optimizer       (foreach AdamW temporary)
     peak = max(train_peak, optimizer_step_peak)
     layer_working: one layer's activations that are not saved (recomputed in backward) + the strategy's transient
@@ -329,10 +333,17 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     mem["transient_buffers"] = max(layer_transient, head_transient)  # informational (included above)
     states = mem["weights"] + mem["compute_copy"] + mem["grads"] + mem["optimizer"]
     mem["model_states"] = states
-    mem["train_peak"] = states + mem["activations"] + max(mem["layer_working"], mem["head_working"])
+    # Gradients are allocated while backward runs (zero_grad(set_to_none=True), the PyTorch and Lightning
+    # default) and saved activations are freed as it goes, layer by layer: both are linear in the layers done,
+    # so the peak is at one end: all activations (LM head / first recomputed layer) or all gradients (last layer).
+    resident_states = mem["weights"] + mem["compute_copy"] + mem["optimizer"]
+    mem["train_peak"] = resident_states + max(
+        mem["activations"] + max(mem["layer_working"], mem["head_working"]),
+        mem["grads"] + mem["layer_working"],
+    )
     # optimizer step: activations and autocast copies are gone; foreach AdamW materialises one temporary of the
     # state dtype per parameter (sqrt of exp_avg_sq), i.e. half the optimizer-state bytes
-    mem["optimizer_step_peak"] = mem["weights"] + mem["grads"] + mem["optimizer"] * 1.5
+    mem["optimizer_step_peak"] = mem["weights"] + mem["grads"] + mem["optimizer"] * (1.0 if FUSED_OPTIMIZER else 1.5)
     mem["peak"] = max(mem["train_peak"], mem["optimizer_step_peak"])
     return mem
 
