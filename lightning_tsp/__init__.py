@@ -1,20 +1,44 @@
-"""lightning-tsp: Tensor and Sequence Parallelism (TSP) for PyTorch and Lightning."""
+"""lightning-tsp: Tensor and Sequence Parallelism (TSP) for PyTorch and Lightning.
 
-from lightning_tsp.checks import TSPConfigError
-from lightning_tsp.group import TSPGroup
-from lightning_tsp.models import PRESETS, ModelConfig, TSPLlama
-from lightning_tsp.zigzag import shard_batch, zigzag_positions, zigzag_shard, zigzag_unshard
+Exports load on first use, so ``import lightning_tsp`` (and ``lightning-tsp plan``) stays light. Importing the
+package registers the strategy name ``"tsp"`` with Lightning (now, or as soon as Lightning is imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from lightning_tsp import _registration
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "TSPGroup",
-    "TSPConfigError",
-    "ModelConfig",
-    "PRESETS",
-    "TSPLlama",
-    "shard_batch",
-    "zigzag_positions",
-    "zigzag_shard",
-    "zigzag_unshard",
-]
+_EXPORTS = {
+    "TSPGroup": "lightning_tsp.group",
+    "TSPConfigError": "lightning_tsp.checks",
+    "ModelConfig": "lightning_tsp.models.llama",
+    "PRESETS": "lightning_tsp.models.llama",
+    "TSPLlama": "lightning_tsp.models.llama",
+    "get_config": "lightning_tsp.models.llama",
+    "shard_batch": "lightning_tsp.zigzag",
+    "zigzag_positions": "lightning_tsp.zigzag",
+    "zigzag_shard": "lightning_tsp.zigzag",
+    "zigzag_unshard": "lightning_tsp.zigzag",
+    "TSPStrategy": "lightning_tsp.strategy",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_tsp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+_registration.install()

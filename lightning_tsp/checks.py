@@ -22,8 +22,6 @@ def check_model_shape(
     d = tsp_size
     if d < 1:
         raise TSPConfigError(f"tsp_size must be >= 1, got {d}")
-    if hidden_size % n_heads != 0:
-        raise TSPConfigError(f"hidden_size={hidden_size} is not divisible by n_heads={n_heads}")
     if n_heads % n_kv_heads != 0:
         raise TSPConfigError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads} (GQA groups)")
     if n_heads % d != 0:

@@ -20,7 +20,6 @@ def group(d: int) -> TSPGroup:
         (dict(intermediate_size=90), 4, "intermediate_size=90 is not divisible by tsp_size=4"),
         (dict(vocab_size=250), 4, r"vocab_size=250 is not divisible by tsp_size=4.*\(e.g. 252\)"),
         (dict(n_heads=4, n_kv_heads=3), 1, "n_heads=4 is not a multiple of n_kv_heads=3"),
-        (dict(hidden_size=50), 1, "hidden_size=50 is not divisible by n_heads=4"),
     ],
 )
 def test_model_shape_errors(overrides, d, message):
@@ -28,6 +27,12 @@ def test_model_shape_errors(overrides, d, message):
                          **overrides})
     with pytest.raises(TSPConfigError, match=message):
         TSPLlama(cfg, group(d), device="meta")
+
+
+def test_head_dim_must_be_given_when_hidden_is_not_a_multiple_of_heads():
+    with pytest.raises(TSPConfigError, match="hidden_size=50 is not divisible by n_heads=4: give head_dim"):
+        ModelConfig(hidden_size=50, n_heads=4)
+    assert ModelConfig(hidden_size=50, n_heads=4, n_kv_heads=4, head_dim=16).head_dim == 16
 
 
 def test_unknown_checkpointing_mode():

@@ -28,16 +28,19 @@ def shapes_for(d: int, gqa: bool, tie: bool = False) -> ModelConfig:
 
 
 def hf_model(cfg: ModelConfig, ref: TSPLlama):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The Hugging Face model of the same architecture: Llama, Qwen2 (q/k/v biases) or Qwen3 (q/k norms)."""
+    import transformers
 
-    hf_cfg = LlamaConfig(
+    family = "Qwen3" if cfg.qk_norm else "Qwen2" if cfg.attention_bias else "Llama"
+    extra = {"head_dim": cfg.head_dim} if family == "Qwen3" else {}
+    hf_cfg = getattr(transformers, f"{family}Config")(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=4 * S,
+        max_position_embeddings=4 * S, **extra,
     )
     hf_cfg._attn_implementation = "sdpa"  # eager does its softmax in fp32
-    hf = LlamaForCausalLM(hf_cfg).to(torch.float64)
+    hf = getattr(transformers, f"{family}ForCausalLM")(hf_cfg).to(torch.float64)
     missing, unexpected = hf.load_state_dict(ref.state_dict(), strict=False)
     tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
     assert not unexpected and set(missing) <= tied, (missing, unexpected)
@@ -72,7 +75,9 @@ def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10) -> Non
     tag = f"D={world_tsp().size} heads={cfg.n_heads}/{cfg.n_kv_heads} tie={cfg.tie_embeddings} ckpt={checkpointing}"
     ids, labels = batch(cfg, B, S)
     ref = TSPLlama(cfg, None, dtype=torch.float64)
+    randomize_biases_and_norms(ref)
     model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float64)
+    model.load_full_state_dict(ref.state_dict())
     ref_loss, ref_grads, ref_emb = run_and_capture(ref, ids, labels)
     loss, grads, emb = run_and_capture(model, ids, labels)
     assert_close(f"{tag} loss", loss, ref_loss, rtol)
@@ -93,6 +98,15 @@ def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10) -> Non
         for name, p in hf.named_parameters():
             assert_close(f"{tag} grad {name} vs HF", grads[name], p.grad, rtol)
         assert_close(f"{tag} input-embedding grad vs HF", emb, hf_emb["emb"].grad, rtol)
+
+
+@torch.no_grad()
+def randomize_biases_and_norms(model: TSPLlama) -> None:
+    """init_weights makes biases 0 and norm weights 1: perturb them so their gradients are tested."""
+    g = torch.Generator().manual_seed(7)
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or "norm" in name:
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def check_loss_curve(cfg: ModelConfig, steps: int = 6) -> None:
@@ -120,6 +134,9 @@ def _worker(rank: int, world_size: int) -> None:
         for checkpointing in ("none", "full"):
             check_case(shapes_for(world_size, gqa), checkpointing)
     check_case(shapes_for(world_size, True, tie=True), "none")
+    if world_size == 2:  # Qwen2-style q/k/v biases and Qwen3-style q/k norms with an explicit head_dim
+        check_case(dataclasses.replace(shapes_for(world_size, True), attention_bias=True), "full")
+        check_case(dataclasses.replace(shapes_for(world_size, True), qk_norm=True, head_dim=12), "none")
     check_loss_curve(shapes_for(world_size, True))
 
 
@@ -128,6 +145,8 @@ def test_unsharded_model_matches_hugging_face(gqa):
     """D = 1, no process group: the built-in model is Llama (checked against the HF implementation)."""
     check_case(shapes_for(1, gqa), "none")
     check_case(shapes_for(1, gqa, tie=True), "full")
+    check_case(dataclasses.replace(shapes_for(1, gqa), attention_bias=True), "none")
+    check_case(dataclasses.replace(shapes_for(1, gqa), qk_norm=True, head_dim=12), "none")
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])

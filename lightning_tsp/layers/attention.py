@@ -19,7 +19,15 @@ from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
 from lightning_tsp.schedules.broadcast import broadcast_shards, reduce_to_owner
-from lightning_tsp.schedules.comm import add_matmul_, all_gather, local_tensor, pack, reduce_scatter, unpack
+from lightning_tsp.schedules.comm import (
+    add_matmul_,
+    all_gather,
+    all_reduce_sum,
+    local_tensor,
+    pack,
+    reduce_scatter,
+    unpack,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,9 @@ class _AttnSpec:
     n_kv_heads: int  # local KV heads
     head_dim: int
     kernel: AttentionKernel
+    bias: bool = False  # q/k/v biases (Qwen2), sharded with their heads
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3), replicated weights [head_dim]
+    eps: float = 1e-6
 
 
 # ---- K/V exchange over the sequence (zigzag <-> natural order) -------------------------------------------
@@ -116,88 +127,150 @@ def _flat(t: Tensor) -> Tensor:
     return t.transpose(1, 2).reshape(b * l, n * d)  # [B, n, L, d] -> [B*L, n*d]
 
 
+def _head_rms(t: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-head RMS normalisation in (at least) fp32: (normalised t, 1/rms) for t [B, H, L, d]."""
+    tf = t.to(torch.promote_types(t.dtype, torch.float32))
+    r = torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)
+    return tf * r, r
+
+
+def _head_rms_backward(grad: Tensor, t: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Transpose of :func:`_head_rms` (before the weight): (d t, the normalised t used for the weight grad)."""
+    t_hat, r = _head_rms(t, eps)
+    g = grad.to(t_hat.dtype)
+    return (r * (g - t_hat * (g * t_hat).mean(-1, keepdim=True))).to(t.dtype), t_hat
+
+
 class BroadcastAttention(torch.autograd.Function):
+    """``params``: the sharded shards (wq, wk, wv, wo[, bq, bk, bv]) then the replicated q/k norm weights."""
+
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, cos, sin, spec: _AttnSpec):
+    def forward(ctx, x, cos, sin, spec: _AttnSpec, *params):
         b, l, h = x.shape
         tsp, nq, nkv, hd = spec.tsp, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        n_sharded = 7 if spec.bias else 4
+        sharded, norms = params[:n_sharded], params[n_sharded:]
         x2 = x.reshape(b * l, h)
-        shapes = [wq.shape, wk.shape, wv.shape, wo.shape]
-        local = pack([wq, wk, wv, wo], x.dtype)  # weights travel in the compute dtype
+        shapes = [p.shape for p in sharded]
+        local = pack(list(sharded), x.dtype)  # one message per owner: weights travel in the compute dtype
+        norms = [w.to(x.dtype) for w in norms]
         y = torch.zeros(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         saved = []
         for _, buf in broadcast_shards(tsp, local):
-            w_q, w_k, w_v, w_o = unpack(buf, shapes)
-            q = apply_rope(_heads(x2 @ w_q.T, b, l, nq, hd), cos, sin)  # [B, nq, L, d]
-            k = apply_rope(_heads(x2 @ w_k.T, b, l, nkv, hd), cos, sin)  # [B, nkv, L, d]
-            v = _heads(x2 @ w_v.T, b, l, nkv, hd)
+            w_q, w_k, w_v, w_o, *biases = unpack(buf, shapes)
+            proj = [x2 @ w.T for w in (w_q, w_k, w_v)]
+            if spec.bias:
+                proj = [p + bias for p, bias in zip(proj, biases)]
+            q_raw, k_raw = _heads(proj[0], b, l, nq, hd), _heads(proj[1], b, l, nkv, hd)
+            v = _heads(proj[2], b, l, nkv, hd)
+            if spec.qk_norm:
+                q = norms[0] * _head_rms(q_raw, spec.eps)[0].to(x.dtype)
+                k = norms[1] * _head_rms(k_raw, spec.eps)[0].to(x.dtype)
+            else:
+                q, k = q_raw, k_raw
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, nq, L, d], [B, nkv, L, d]
             k_full, v_full = gather_kv(k, v, tsp)  # [B, nkv, S, d]
             o, lse = zigzag_attention(spec.kernel, q, k_full, v_full, tsp)
             del k_full, v_full
             add_matmul_(y, _flat(o), w_o.T)
-            saved += [q, k, v, o, lse]
-        ctx.spec, ctx.shapes = spec, shapes
-        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, *saved)
+            saved += [q, k, v, o, lse] + ([q_raw, k_raw] if spec.qk_norm else [])
+        ctx.spec, ctx.shapes, ctx.n_sharded = spec, shapes, n_sharded
+        ctx.save_for_backward(x, cos, sin, *params, *saved)
         return y.view(b, l, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        spec, shapes = ctx.spec, ctx.shapes
+        spec, shapes, n_sharded = ctx.spec, ctx.shapes, ctx.n_sharded
         tsp, nq, nkv, hd = spec.tsp, spec.n_heads, spec.n_kv_heads, spec.head_dim
-        x, wq, wk, wv, wo, cos, sin, *saved = ctx.saved_tensors
+        x, cos, sin, *rest = ctx.saved_tensors
+        n_params = n_sharded + (2 if spec.qk_norm else 0)
+        params, saved = rest[:n_params], rest[n_params:]
+        sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
+        per_shard = 7 if spec.qk_norm else 5
         b, l, h = x.shape
         x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
+        d_norms = [torch.zeros(hd, dtype=acc_dtype, device=x.device) for _ in norms]
         owner = reduce_to_owner(tsp)
-        local = pack([wq, wk, wv, wo], x.dtype)
-        for j, buf in broadcast_shards(tsp, local):
-            w_q, w_k, w_v, w_o = unpack(buf, shapes)
-            q, k, v, o, lse = saved[5 * j : 5 * j + 5]
+        for j, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
+            w_q, w_k, w_v, w_o, *_ = unpack(buf, shapes)
+            q, k, v, o, lse, *raw = saved[per_shard * j : per_shard * (j + 1)]
             d_wo = dy2.T @ _flat(o)  # [h, nq*d]
             do = _heads(dy2 @ w_o, b, l, nq, hd)
             k_full, v_full = gather_kv(k, v, tsp)  # re-gathered, never saved
             dq, dk_full, dv_full = zigzag_attention_backward(spec.kernel, do, q, k_full, v_full, o, lse, tsp)
             del k_full, v_full
             dk, dv = scatter_kv_grad(dk_full, dv_full, tsp)  # to the token owners, fp32
-            dq2 = _flat(apply_rope_backward(dq, cos, sin))
-            dk2 = _flat(apply_rope_backward(dk.to(x.dtype), cos, sin))
-            dv2 = _flat(dv.to(x.dtype))
+            dq, dk = apply_rope_backward(dq, cos, sin), apply_rope_backward(dk.to(x.dtype), cos, sin)
+            if spec.qk_norm:
+                grads = []
+                for i, (g, t_raw) in enumerate(zip((dq, dk), raw)):
+                    dt, t_hat = _head_rms_backward(g * norms[i], t_raw, spec.eps)
+                    d_norms[i] += (g.to(acc_dtype) * t_hat.to(x.dtype).to(acc_dtype)).sum((0, 1, 2))
+                    grads.append(dt)
+                dq, dk = grads
+            dq2, dk2, dv2 = _flat(dq), _flat(dk), _flat(dv.to(x.dtype))
             for grad_out, w in ((dq2, w_q), (dk2, w_k), (dv2, w_v)):
                 add_matmul_(dx, grad_out, w)
-            owner.submit(j, pack([dq2.T @ x2, dk2.T @ x2, dv2.T @ x2, d_wo], acc_dtype))
+            partial = [dq2.T @ x2, dk2.T @ x2, dv2.T @ x2, d_wo]
+            if spec.bias:
+                partial += [dq2.sum(0), dk2.sum(0), dv2.sum(0)]
+            owner.submit(j, pack(partial, acc_dtype))
         grads = unpack(owner.result(), shapes)
-        d_w = [g.to(w.dtype) for g, w in zip(grads, (wq, wk, wv, wo))]
-        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None, None)
+        d_sharded = [g.to(w.dtype) for g, w in zip(grads, sharded)]
+        d_norm_params = [all_reduce_sum(g, tsp).to(w.dtype) for g, w in zip(d_norms, params[n_sharded:])]
+        return (dx.view(b, l, h).to(x.dtype), None, None, None, *d_sharded, *d_norm_params)
 
 
 class TSPAttention(nn.Module):
     """Causal self-attention (MHA or GQA) whose q/k/v/o weights are sharded by head group over the TSP group.
 
     Parameter names and layouts follow Hugging Face Llama (``q_proj.weight`` [n_heads*d, h], ...); this rank holds
-    rows [rank*n/D, (rank+1)*n/D) of q/k/v (heads) and the matching columns of ``o_proj``.
+    rows [rank*n/D, (rank+1)*n/D) of q/k/v (heads) and the matching columns of ``o_proj``. Optional: q/k/v biases
+    (Qwen2; sharded with their heads) and per-head q/k RMSNorms before RoPE (Qwen3; ``q_norm.weight`` and
+    ``k_norm.weight`` [d], replicated, gradients summed over the group).
     """
 
-    tsp_shard_dims = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1}
+    tsp_shard_dims = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1,
+                      "q_proj.bias": 0, "k_proj.bias": 0, "v_proj.bias": 0}
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, tsp: TSPGroup, kernel: str = "auto",
-                 head_dim: int | None = None, device=None, dtype=None):
+                 head_dim: int | None = None, bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
+                 device=None, dtype=None):
         super().__init__()
         d = tsp.size
-        self.tsp, self.kernel_name = tsp, kernel
+        self.tsp, self.kernel_name, self.bias, self.qk_norm, self.norm_eps = tsp, kernel, bias, qk_norm, norm_eps
         self.head_dim = head_dim or hidden_size // n_heads
         self.n_heads, self.n_kv_heads = n_heads // d, n_kv_heads // d  # local
         kw = dict(device=device, dtype=dtype)
-        self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=False, **kw)
-        self.k_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=False, **kw)
-        self.v_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=False, **kw)
+        self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=bias, **kw)
+        self.k_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=bias, **kw)
+        self.v_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=bias, **kw)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden_size, bias=False, **kw)
+        if qk_norm:
+            self.q_norm = _HeadNorm(self.head_dim, **kw)
+            self.k_norm = _HeadNorm(self.head_dim, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B, S/D, h] (this rank's zigzag tokens), cos/sin [S/D, d] of their global positions."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         kernel = select_attention_kernel(x.device, self.kernel_name, dtype)
-        spec = _AttnSpec(self.tsp, self.n_heads, self.n_kv_heads, self.head_dim, kernel)
-        w = [local_tensor(m.weight) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
+        spec = _AttnSpec(self.tsp, self.n_heads, self.n_kv_heads, self.head_dim, kernel, self.bias, self.qk_norm,
+                         self.norm_eps)
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        params = [local_tensor(m.weight) for m in projections]
+        if self.bias:
+            params += [local_tensor(m.bias) for m in projections[:3]]
+        if self.qk_norm:
+            params += [local_tensor(self.q_norm.weight), local_tensor(self.k_norm.weight)]
         with torch.autocast(x.device.type, enabled=False):
-            return BroadcastAttention.apply(x.to(dtype), *w, cos.to(dtype), sin.to(dtype), spec)
+            return BroadcastAttention.apply(x.to(dtype), cos.to(dtype), sin.to(dtype), spec, *params)
+
+
+class _HeadNorm(nn.Module):
+    """Holds a replicated per-head RMSNorm weight (applied inside :class:`BroadcastAttention`)."""
+
+    def __init__(self, head_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))

@@ -21,7 +21,7 @@ from lightning_tsp.checks import TSPConfigError, check_model_shape
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMHead, TSPRMSNorm
 from lightning_tsp.layers.rope import rope_cos_sin
-from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum
+from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX, shard_batch
 
 
@@ -37,34 +37,44 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    head_dim: int | None = None  # default hidden_size // n_heads
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.hidden_size % self.n_heads:
+                raise TSPConfigError(
+                    f"hidden_size={self.hidden_size} is not divisible by n_heads={self.n_heads}: give head_dim"
+                )
+            self.head_dim = self.hidden_size // self.n_heads
 
     def num_params(self) -> int:
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        kv = self.n_kv_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_layer = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h
+        per_layer += (q + 2 * kv) * self.attention_bias + 2 * self.head_dim * self.qk_norm
         return self.n_layers * per_layer + v * h * (1 if self.tie_embeddings else 2) + h
 
 
-PRESETS: dict[str, ModelConfig] = {
+_PRESET_ARGS: dict[str, dict] = {
     # CPU tests and the quick-start demo (byte-level vocabulary).
-    "tiny": ModelConfig(),
+    "tiny": {},
     # The paper's model: h 4096, 32 layers, 32 query / 32 KV heads, SwiGLU 16384 (about 8.6 B weights + vocab).
-    "paper-7b": ModelConfig(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                            intermediate_size=16384),
+    "paper-7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                     intermediate_size=16384),
     # Llama-3-8B shapes (GQA 32/8).
-    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                             intermediate_size=14336, rope_theta=500000.0),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      intermediate_size=14336, rope_theta=500000.0),
 }
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**args) for name, args in _PRESET_ARGS.items()}
 
 
 def get_config(preset: str, **overrides) -> ModelConfig:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return dataclasses.replace(PRESETS[preset], **overrides)
+    """A preset with some fields changed (derived fields such as head_dim follow the overrides)."""
+    if preset not in _PRESET_ARGS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(_PRESET_ARGS)}")
+    return ModelConfig(**{**_PRESET_ARGS[preset], **overrides})
 
 
 class TSPDecoderLayer(nn.Module):
@@ -72,7 +82,9 @@ class TSPDecoderLayer(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
-        self.self_attn = TSPAttention(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, tsp, attention_kernel, **kw)
+        self.self_attn = TSPAttention(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, tsp, attention_kernel,
+                                      head_dim=cfg.head_dim, bias=cfg.attention_bias, qk_norm=cfg.qk_norm,
+                                      norm_eps=cfg.norm_eps, **kw)
         self.post_attention_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
         self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
 
@@ -119,6 +131,7 @@ class TSPLlama(nn.Module):
                 f"activation_checkpointing={activation_checkpointing!r}; choose 'none' or 'full'"
             )
         self.cfg, self.tsp, self.activation_checkpointing = cfg, tsp, activation_checkpointing
+        self.attention_kernel, self.token_chunk = attention_kernel, token_chunk
         kw = dict(device=device, dtype=dtype)
         self.model = _Backbone(cfg, tsp, attention_kernel, **kw)
         self.lm_head = TSPLMHead(cfg.vocab_size, cfg.hidden_size, tsp, token_chunk, tied=cfg.tie_embeddings, **kw)
@@ -139,7 +152,7 @@ class TSPLlama(nn.Module):
         return out
 
     def full_shape(self, name: str) -> torch.Size:
-        p = self.get_parameter(name)
+        p = local_tensor(self.get_parameter(name))
         dim = self.shard_dims()[name]
         shape = list(p.shape)
         if dim is not None:
@@ -165,15 +178,19 @@ class TSPLlama(nn.Module):
             if missing:
                 raise TSPConfigError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
         for name in names & set(state_dict):
-            self.get_parameter(name).copy_(self.local_slice(name, state_dict[name]))
+            local_tensor(self.get_parameter(name)).copy_(self.local_slice(name, state_dict[name]))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Normal(0, init_std) weights, ones for norms: the same full model whatever D and dtype (each rank draws
         a parameter's full tensor from a seeded generator and keeps its slice, one parameter at a time)."""
         for i, (name, p) in enumerate(sorted(self.named_parameters())):
+            p = local_tensor(p)
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                p.zero_()
                 continue
             g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
             # drawn in fp32 whatever the parameter dtype: the same model in every precision
@@ -233,7 +250,9 @@ class TSPLlama(nn.Module):
         total = losses.to(torch.promote_types(losses.dtype, torch.float32)).sum()
         if self.tsp.size > 1:
             total = SumOverGroup.apply(total, self.tsp)
-        return total / num_valid_tokens.clamp(min=1).to(total.dtype)
+        # an all-ignored batch gives 0 (not 0/0); never clamp a positive count
+        n = num_valid_tokens.to(total.dtype)
+        return total / torch.where(n > 0, n, torch.ones_like(n))
 
 
 def gather_full(local: Tensor, dim: int | None, tsp: TSPGroup) -> Tensor:

@@ -1,0 +1,133 @@
+"""The 2-D device mesh ("data_parallel", "tsp") and its topology checks.
+
+The "tsp" axis is innermost: global ranks ``[k*D, (k+1)*D)`` form TSP group k, so with ``D`` dividing the devices
+of a node every TSP group lives inside one node (fast intra-node links) and the data-parallel axis crosses nodes.
+Every check here runs on plain integers and raises :class:`~lightning_tsp.checks.TSPConfigError` before any
+process group or collective exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Union
+
+import torch.distributed as dist
+
+from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.group import TSPGroup
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIM_NAMES = ("data_parallel", "tsp")
+DP_DIM, TSP_DIM = MESH_DIM_NAMES
+
+SizeArg = Union[int, Literal["auto"]]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Resolved sizes: ``world_size == data_parallel_size * tsp_size``."""
+
+    data_parallel_size: int
+    tsp_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.tsp_size
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        return (self.data_parallel_size, self.tsp_size)
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TSPConfigError(f"{name}={value!r} must be a positive integer or 'auto'")
+    if value < 1:
+        raise TSPConfigError(f"{name}={value} must be >= 1 (1 means: no TSP sharding, pure data parallelism)")
+    return value
+
+
+def resolve_topology(
+    world_size: int,
+    devices_per_node: int,
+    tsp_size: SizeArg = "auto",
+    data_parallel_size: SizeArg = "auto",
+) -> Topology:
+    """Resolve ``"auto"`` sizes and check that the (dp, tsp) mesh fits the cluster.
+
+    ``tsp_size="auto"`` is the number of devices per node (one TSP group per node); ``data_parallel_size="auto"`` is
+    ``world_size // tsp_size``. Raises :class:`TSPConfigError` (naming the value and the fix) when:
+
+    * a size is not a positive integer / "auto";
+    * ``tsp_size`` does not divide ``world_size``;
+    * ``tsp_size`` does not divide ``devices_per_node`` (a TSP group would straddle two nodes; TSP streams every
+      weight shard and K/V over its group in every layer, which only pays off on intra-node links);
+    * an explicit ``data_parallel_size`` disagrees with ``world_size // tsp_size``.
+    """
+    world_size = _check_int("world_size", world_size)
+    devices_per_node = _check_int("devices per node", devices_per_node)
+    if world_size % devices_per_node != 0:
+        raise TSPConfigError(
+            f"world size {world_size} is not a multiple of the devices per node ({devices_per_node}): every node "
+            f"must run the same number of processes. Check Trainer(devices=..., num_nodes=...) and the launcher."
+        )
+    tsp = devices_per_node if tsp_size == "auto" else _check_int("tsp_size", tsp_size)
+    if world_size % tsp != 0:
+        raise TSPConfigError(
+            f"tsp_size={tsp} does not divide the world size {world_size}: the world is cut into data-parallel "
+            f"replicas of tsp_size ranks each. Choose a tsp_size that divides {world_size}, e.g. "
+            f"{_divisors_hint(world_size)}."
+        )
+    if devices_per_node % tsp != 0:
+        raise TSPConfigError(
+            f"tsp_size={tsp} does not divide the {devices_per_node} devices per node: a TSP group would span two "
+            f"nodes, and TSP moves weight shards and K/V over its group in every layer (intra-node links only). "
+            f"Choose a tsp_size that divides {devices_per_node}, e.g. {_divisors_hint(devices_per_node)}, or "
+            f"change Trainer(devices=...)."
+        )
+    dp = world_size // tsp
+    if data_parallel_size != "auto":
+        data_parallel_size = _check_int("data_parallel_size", data_parallel_size)
+        if data_parallel_size != dp:
+            raise TSPConfigError(
+                f"data_parallel_size={data_parallel_size} times tsp_size={tsp} is "
+                f"{data_parallel_size * tsp}, not the world size {world_size}. Use data_parallel_size='auto' "
+                f"(= {dp}) or change tsp_size / the number of devices."
+            )
+    return Topology(dp, tsp)
+
+
+def _divisors_hint(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def build_mesh(topology: Topology, device_type: str) -> "DeviceMesh":
+    """The ("data_parallel", "tsp") mesh over the default process group (a collective: call on every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised default process group")
+    if dist.get_world_size() != topology.world_size:
+        raise TSPConfigError(
+            f"the process group has {dist.get_world_size()} ranks but data_parallel_size * tsp_size = "
+            f"{topology.data_parallel_size} * {topology.tsp_size} = {topology.world_size}"
+        )
+    return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def tsp_group(mesh: "DeviceMesh") -> TSPGroup:
+    """This rank's TSP group (the "tsp" axis), as the object every TSP layer takes."""
+    sub = mesh[TSP_DIM]
+    return TSPGroup(sub.get_group(), sub.get_local_rank(), sub.size())
+
+
+def dp_group(mesh: "DeviceMesh") -> dist.ProcessGroup:
+    """The data-parallel process group through this rank (same TSP rank in every replica)."""
+    return mesh[DP_DIM].get_group()
+
+
+def dp_rank_and_size(mesh: "DeviceMesh") -> tuple[int, int]:
+    sub = mesh[DP_DIM]
+    return sub.get_local_rank(), sub.size()

@@ -1,0 +1,501 @@
+"""``TSPStrategy``: Tensor and Sequence Parallelism as a Lightning strategy (``Trainer(strategy="tsp")``).
+
+Lightning glue only; the parallel math lives in the layers and schedules. What the strategy does:
+
+* builds the ("data_parallel", "tsp") device mesh (``lightning_tsp.mesh``), tsp innermost;
+* after ``configure_model`` replaces every unsharded :class:`~lightning_tsp.models.TSPLlama` (built with
+  ``tsp=None``, possibly on the meta device) by one holding only this rank's shards, and registers every parameter
+  as a DTensor on the "tsp" sub-mesh (``Shard(dim)`` / ``Replicate()``), so optimizers, gradient clipping and
+  ``torch.distributed.checkpoint`` see the real sharding;
+* turns each global batch ``{"input_ids": [B, S], "labels": [B, S] (optional)}`` into this rank's zigzag slice,
+  as the keyword arguments ``TSPLlama.forward`` takes, so ``loss = self.model(**batch)`` trains unchanged;
+* averages gradients over the data-parallel axis after backward (skipped on non-final accumulation micro-batches).
+
+Loss normalisation: the batch carries ``num_valid_tokens = N / dp`` where N is the number of valid target tokens
+of the whole global batch (every TSP rank and every data-parallel replica, one all-reduce over the world). Each
+rank's loss is then "its replica's token-loss sum / (N / dp)"; averaging gradients over dp gives exactly the
+gradient of the global token mean, and averaging the logged loss over ranks (``self.log(..., sync_dist=True)``)
+gives exactly the global token-mean loss.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_tsp import _registration
+from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.group import TSPGroup
+from lightning_tsp.mesh import TSP_DIM, SizeArg, Topology, build_mesh, dp_group, resolve_topology, tsp_group
+from lightning_tsp.models.llama import TSPLlama
+from lightning_tsp.schedules.comm import local_tensor
+from lightning_tsp.zigzag import IGNORE_INDEX, shard_batch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+STRATEGY_NAME = _registration.STRATEGY_NAME
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+BATCH_KEYS = ("input_ids", "labels", "attention_mask")
+
+_PL_MESSAGE = _registration.PL_MESSAGE
+
+
+# ---- precision -------------------------------------------------------------------------------------------------
+
+
+def _precision_error(requested: str) -> TSPConfigError:
+    hint = (
+        " fp16 training needs a loss scaler, and TSP has no scaler for its sharded gradients; use 'bf16-mixed' "
+        "(or 'bf16-true') instead: same memory, no scaling needed."
+        if requested.startswith("16")
+        else ""
+    )
+    return TSPConfigError(
+        f"TSPStrategy does not support precision={requested!r}.{hint} Choose one of: "
+        f"{', '.join(repr(p) for p in SUPPORTED_PRECISIONS)}."
+    )
+
+
+def _requested_precision_at_trainer_init() -> Optional[str]:
+    """The ``precision=`` a Trainer is being built with, read from the Lightning connector's ``__init__`` frame.
+
+    Needed for one case only: on CPU Lightning turns ``precision="16-mixed"`` into a bf16-mixed plugin (with a
+    warning) before the strategy ever sees it, so the plugin alone cannot tell that fp16 was asked for. Returns None
+    when not called from inside a Trainer's construction.
+    """
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _AcceleratorConnector) and frame.f_code.co_name == "__init__":
+            value = frame.f_locals.get("precision")
+            return None if value is None else str(value)
+        frame = frame.f_back
+    return None
+
+
+def _check_precision_plugin(plugin: Precision) -> None:
+    precision = str(getattr(plugin, "precision", type(plugin).__name__))
+    if getattr(plugin, "scaler", None) is not None or precision not in SUPPORTED_PRECISIONS:
+        raise _precision_error(precision)
+    if isinstance(plugin, MixedPrecision):
+        requested = _requested_precision_at_trainer_init()
+        if requested is not None and requested in ("16", "16-mixed"):
+            raise _precision_error("16-mixed")
+
+
+# ---- registration ----------------------------------------------------------------------------------------------
+
+
+def register_strategy(registry: Any = None) -> None:
+    """Register ``"tsp"`` in Lightning's ``StrategyRegistry`` (idempotent; ``import lightning_tsp`` arranges it).
+
+    Also makes ``pytorch_lightning.Trainer(strategy="tsp")`` fail with a message pointing to ``lightning.pytorch``.
+    """
+    if registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry as registry
+    _registration.register_lightning(registry)
+    _registration.install()
+
+
+# ---- the strategy ----------------------------------------------------------------------------------------------
+
+
+class TSPStrategy(ModelParallelStrategy):
+    """Tensor and Sequence Parallelism on a ("data_parallel", "tsp") mesh.
+
+    Arguments:
+        tsp_size: ranks per TSP group (D): every weight and every sequence is sharded over them. ``"auto"``: the
+            number of devices per node. Must divide the devices per node and the world size.
+        data_parallel_size: number of model replicas; ``"auto"`` = world size / tsp_size.
+        save_distributed_checkpoint: save a DCP directory of shards (default) or one full file on rank 0.
+        process_group_backend: ``"nccl"`` / ``"gloo"``; default from the device type.
+        timeout: timeout of the collectives.
+        grad_bucket_mb: size of the fp32 buckets in which gradients are averaged over the data-parallel axis.
+    """
+
+    def __init__(
+        self,
+        tsp_size: SizeArg = "auto",
+        data_parallel_size: SizeArg = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        grad_bucket_mb: float = 64.0,
+    ) -> None:
+        for name, value in (("tsp_size", tsp_size), ("data_parallel_size", data_parallel_size)):
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise TSPConfigError(f"{name}={value!r} must be a positive integer or 'auto'")
+        if grad_bucket_mb <= 0:
+            raise TSPConfigError(f"grad_bucket_mb={grad_bucket_mb} must be > 0")
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tsp_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._tsp_size_arg: SizeArg = tsp_size
+        self._dp_size_arg: SizeArg = data_parallel_size
+        self._grad_bucket_bytes = int(grad_bucket_mb * 2**20)
+        self._topology: Optional[Topology] = None
+        self._tsp_group: Optional[TSPGroup] = None
+        self._dp_group: Optional[dist.ProcessGroup] = None
+        self._grad_sync_blocked = False
+
+    def __repr__(self) -> str:
+        # pytorch_lightning.Trainer(strategy=TSPStrategy()) prints this in its "invalid strategy" error.
+        return (
+            f"TSPStrategy(tsp_size={self._tsp_size_arg!r}, data_parallel_size={self._dp_size_arg!r}) "
+            f"[a lightning.pytorch strategy: use lightning.pytorch.Trainer, not pytorch_lightning.Trainer]"
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            STRATEGY_NAME,
+            cls,
+            description="Tensor and Sequence Parallelism (TSP) over a ('data_parallel', 'tsp') device mesh",
+        )
+
+    # ---- topology ------------------------------------------------------------------------------------------
+
+    def _resolve_topology(self) -> Topology:
+        devices = self.num_processes
+        if devices < 1:
+            raise TSPConfigError("TSPStrategy has no devices: pass Trainer(devices=N) with N >= 1")
+        self._topology = resolve_topology(
+            world_size=self.num_nodes * devices,
+            devices_per_node=devices,
+            tsp_size=self._tsp_size_arg,
+            data_parallel_size=self._dp_size_arg,
+        )
+        self._data_parallel_size = self._topology.data_parallel_size
+        self._tensor_parallel_size = self._topology.tsp_size
+        return self._topology
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology if self._topology is not None else self._resolve_topology()
+
+    @property
+    def tsp_size(self) -> int:
+        return self.topology.tsp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.topology.data_parallel_size
+
+    @property
+    def tsp_group(self) -> TSPGroup:
+        if self._tsp_group is None:
+            raise RuntimeError("the TSP group exists once the strategy has set up its environment")
+        return self._tsp_group
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        if self._dp_group is None:
+            raise RuntimeError("the data-parallel group exists once the strategy has set up its environment")
+        return self._dp_group
+
+    def _configure_launcher(self) -> None:
+        # Called at Trainer construction: check the topology now, before any process or collective exists.
+        self._resolve_topology()
+        # Always install the launcher (unlike ModelParallelStrategy): its launch() runs the cluster environment's
+        # validate_settings (e.g. SLURM --ntasks-per-node vs devices) and only spawns when processes are not
+        # created externally.
+        assert self.cluster_environment is not None
+        if _IS_INTERACTIVE and self.cluster_environment.creates_processes_externally:
+            return  # a notebook attached to externally started ranks: nothing to launch, and Lightning would refuse
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        topology = self._resolve_topology()  # before any collective
+        self._setup_distributed()  # device setup + init_process_group
+        if dist.get_world_size() != topology.world_size:
+            raise TSPConfigError(
+                f"{dist.get_world_size()} processes joined, but Trainer(num_nodes={self.num_nodes}, "
+                f"devices={self.num_processes}) means {topology.world_size}: check the launcher settings"
+            )
+        self._device_mesh = build_mesh(topology, self.root_device.type)
+        self._tsp_group = tsp_group(self._device_mesh)
+        self._dp_group = dp_group(self._device_mesh)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # ---- precision -----------------------------------------------------------------------------------------
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        if precision_plugin is not None:
+            _check_precision_plugin(precision_plugin)
+        self._precision_plugin = precision_plugin
+
+    # ---- model ---------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
+            raise TSPConfigError("TSPStrategy cannot run modules wrapped in FullyShardedDataParallel (FSDP1)")
+
+        modules = self._shard_tsp_modules()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        for module in modules:
+            self._distribute_parameters(module)
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_tsp_modules(self) -> list[TSPLlama]:
+        """Replace every unsharded TSPLlama of the LightningModule by this rank's shard of it."""
+        assert self.model is not None
+        tsp = self.tsp_group
+        found: list[tuple[str, TSPLlama]] = []
+        for name, module in list(self.model.named_modules()):
+            if not isinstance(module, TSPLlama) or any(name.startswith(prefix + ".") for prefix, _ in found):
+                continue
+            if module.tsp.size == tsp.size:
+                if tsp.size > 1 and dist.get_process_group_ranks(module.tsp.group) != dist.get_process_group_ranks(
+                    tsp.group
+                ):
+                    raise TSPConfigError(
+                        f"module {name!r} is sharded over ranks {dist.get_process_group_ranks(module.tsp.group)}, "
+                        f"not over this rank's TSP group {dist.get_process_group_ranks(tsp.group)}. Build it with "
+                        f"tsp=None and let TSPStrategy shard it."
+                    )
+                sharded = module
+            elif module.tsp.size == 1:
+                sharded = self._shard_module(module)
+                self._replace_module(module, sharded)
+            else:
+                raise TSPConfigError(
+                    f"module {name!r} was built for a TSP group of {module.tsp.size} ranks but the strategy has "
+                    f"tsp_size={tsp.size}. Build it with tsp=None (D=1, e.g. on the meta device) and let "
+                    f"TSPStrategy shard it."
+                )
+            found.append((name, sharded))
+        if not found:
+            raise TSPConfigError(
+                "TSPStrategy found no lightning_tsp.models.TSPLlama in the LightningModule. Build the model as a "
+                "TSPLlama with tsp=None (in __init__ or configure_model, on the meta device for large models); the "
+                "strategy then shards it over the TSP group."
+            )
+        covered = {id(p) for _, m in found for p in m.parameters()}
+        stray = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in covered]
+        if stray:
+            raise TSPConfigError(
+                f"trainable parameters outside a TSPLlama are not supported yet by TSPStrategy: {stray[:5]}"
+                f"{' ...' if len(stray) > 5 else ''}. Their tokens are sharded over the TSP group, so their "
+                f"gradients would be partial. Freeze them (requires_grad=False) or move them into the model."
+            )
+        rank_zero_info(
+            f"TSPStrategy: mesh (data_parallel={self.data_parallel_size}, tsp={self.tsp_size}); "
+            f"TSP modules: {', '.join(repr(n) for n, _ in found)}"
+        )
+        return [m for _, m in found]
+
+    def _shard_module(self, full: TSPLlama) -> TSPLlama:
+        params = dict(full.named_parameters())
+        on_meta = {n for n, p in params.items() if p.is_meta}
+        if on_meta and len(on_meta) != len(params):
+            raise TSPConfigError(
+                f"TSPLlama is partly on the meta device ({sorted(on_meta)[:3]} ...): build it entirely on meta "
+                f"(the strategy then calls init_weights) or entirely materialised (the strategy copies the slices)"
+            )
+        dtype = next(iter(params.values())).dtype if params else None
+        sharded = type(full)(  # the same class: conversion plans subclass TSPLlama
+            full.cfg,
+            self.tsp_group,
+            attention_kernel=full.attention_kernel,
+            activation_checkpointing=full.activation_checkpointing,
+            token_chunk=full.token_chunk,
+            device="meta",
+            dtype=dtype,
+        )
+        sharded.to_empty(device=self.root_device)
+        if on_meta:
+            sharded.init_weights()
+        else:
+            sharded.load_full_state_dict({n: p.detach() for n, p in params.items()})
+        for name, p in sharded.named_parameters():
+            p.requires_grad_(params[name].requires_grad)
+        sharded.train(full.training)
+        return sharded
+
+    def _replace_module(self, old: nn.Module, new: nn.Module) -> None:
+        """Swap every reference to ``old`` inside the LightningModule (shared submodules included)."""
+        assert self.model is not None
+        for parent in self.model.modules():
+            for key, child in list(parent._modules.items()):
+                if child is old:
+                    parent._modules[key] = new
+
+    def _distribute_parameters(self, module: TSPLlama) -> None:
+        """Register every parameter as a DTensor on the "tsp" sub-mesh: Shard(dim) or Replicate()."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh = self.device_mesh[TSP_DIM]
+        for name, dim in module.shard_dims().items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            param = getattr(owner, attr)
+            placements = [Shard(dim) if dim is not None else Replicate()]
+            if isinstance(param, DTensor):
+                if tuple(param.placements) != tuple(placements):
+                    raise TSPConfigError(f"parameter {name!r} is a DTensor with placements {param.placements}, "
+                                         f"TSP needs {placements}")
+                continue
+            dtensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
+            setattr(owner, attr, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+    # ---- data ----------------------------------------------------------------------------------------------
+
+    def shard_batch(self, batch: Any) -> dict[str, Tensor]:
+        """Global batch -> this rank's ``{"input_ids", "targets", "position_ids"}`` (zigzag, targets shifted).
+
+        ``batch`` is a mapping with ``input_ids`` [B, S] and optionally ``labels`` [B, S] (Hugging Face convention:
+        unshifted, -100 = no loss; default: ``input_ids``) and ``attention_mask`` [B, S] (right padding only; masked
+        positions get no loss).
+        """
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise TSPConfigError(
+                f"TSPStrategy expects every batch to be a dict with 'input_ids' [B, S] and optionally 'labels' and "
+                f"'attention_mask' [B, S]; got {type(batch).__name__}"
+                + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+            )
+        unknown = sorted(set(batch) - set(BATCH_KEYS))
+        if unknown:
+            raise TSPConfigError(
+                f"batch keys {unknown} are not supported by TSPStrategy; a batch holds only {list(BATCH_KEYS)}"
+            )
+        input_ids = batch["input_ids"]
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise TSPConfigError(
+                f"batch['input_ids'] must be an integer tensor [B, S], got "
+                f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
+            )
+        labels = batch.get("labels")
+        if labels is not None and (not isinstance(labels, Tensor) or labels.shape != input_ids.shape):
+            raise TSPConfigError(
+                f"batch['labels'] must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                f"{getattr(labels, 'shape', type(labels).__name__)}"
+            )
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, Tensor) or mask.shape != input_ids.shape:
+                raise TSPConfigError(f"batch['attention_mask'] must be shaped like input_ids {tuple(input_ids.shape)}")
+            mask = mask.bool()
+            if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+                raise TSPConfigError(
+                    "batch['attention_mask'] has padding before real tokens (left padding or holes); TSPStrategy "
+                    "supports right padding only (padded positions then never influence real tokens)"
+                )
+            labels = (input_ids if labels is None else labels).masked_fill(~mask, IGNORE_INDEX)
+        tsp = self.tsp_group
+        ids, targets, positions = shard_batch(input_ids, labels, tsp.size, tsp.rank)
+        return {"input_ids": ids, "targets": targets, "position_ids": positions}
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(self.shard_batch(batch), device, dataloader_idx)
+        if not isinstance(batch, dict) or "targets" not in batch:
+            raise TSPConfigError(
+                "a LightningModule batch-transfer hook removed 'targets' from the TSP batch; keep the dict keys"
+            )
+        batch["num_valid_tokens"] = self.token_normaliser(batch["targets"])
+        return batch
+
+    def token_normaliser(self, targets: Tensor) -> Tensor:
+        """``N / dp``: N = valid targets of the global batch (all TSP ranks, all replicas; one all-reduce)."""
+        count = (targets != IGNORE_INDEX).sum(dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(count)
+        return count / self.data_parallel_size
+
+    # ---- gradients -----------------------------------------------------------------------------------------
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        # Strategy.backward with the data-parallel gradient average between the backward pass and
+        # precision_plugin.post_backward, so that on_after_backward sees the synchronised gradients (as with DDP).
+        self.pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        if not self._grad_sync_blocked:
+            self.reduce_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the data-parallel gradient average (non-final micro-batches of gradient accumulation)."""
+        previous, self._grad_sync_blocked = self._grad_sync_blocked, True
+        try:
+            yield
+        finally:
+            self._grad_sync_blocked = previous
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Average the local gradient shards over the data-parallel axis, in fp32 buckets (sum, then / dp)."""
+        dp = self.data_parallel_size
+        if dp == 1:
+            return
+        assert self.model is not None
+        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+        bucket: list[Tensor] = []
+        size = 0
+        for g in grads:
+            if bucket and (size + g.numel() * 4 > self._grad_bucket_bytes or g.device != bucket[0].device):
+                self._all_reduce_bucket(bucket, dp)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * 4
+        if bucket:
+            self._all_reduce_bucket(bucket, dp)
+
+    def _all_reduce_bucket(self, grads: list[Tensor], dp: int) -> None:
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat.div_(dp)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
