@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_tsp import _registration
 from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.convert import convert_modules
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.mesh import TSP_DIM, SizeArg, Topology, build_mesh, dp_group, resolve_topology, tsp_group
 from lightning_tsp.models.llama import TSPLlama
@@ -268,6 +269,7 @@ class TSPStrategy(ModelParallelStrategy):
         if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
             raise TSPConfigError("TSPStrategy cannot run modules wrapped in FullyShardedDataParallel (FSDP1)")
 
+        convert_modules(self.model)  # Hugging Face / user-registered architectures -> unsharded TSP models
         modules = self._shard_tsp_modules()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
