@@ -34,7 +34,7 @@ def _load_builtins() -> None:
     _BUILTINS_LOADED = True
     import importlib.util
 
-    if importlib.util.find_spec("transformers") is not None:
+    if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec(__name__ + ".hf"):
         from lightning_tsp.convert import hf
 
         for plan in hf.PLANS:
