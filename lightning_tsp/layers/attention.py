@@ -45,20 +45,34 @@ class _AttnSpec:
 # ---- K/V exchange over the sequence (zigzag <-> natural order) -------------------------------------------
 
 
+class KVGather:
+    """All-gather of local k, v [B, Hkv, 2c, d] (zigzag chunks p, 2D-1-p) over the sequence, in flight until
+    :meth:`wait` returns the full-sequence k, v [B, Hkv, S, d] in natural order. Starting it before other local
+    work (the q projection, the output-projection gradient) overlaps the exchange with that work."""
+
+    def __init__(self, k: Tensor, v: Tensor, tsp: TSPGroup):
+        self.k, self.v, self.tsp = k, v, tsp
+        if tsp.size > 1:
+            send = torch.stack([k, v])  # [2, B, Hkv, 2c, d]
+            self.out = torch.empty(tsp.size * send.numel(), dtype=send.dtype, device=send.device)
+            self.work = all_gather(self.out, send.view(-1), tsp, async_op=True)
+
+    def wait(self) -> tuple[Tensor, Tensor]:
+        d = self.tsp.size
+        if d == 1:
+            return self.k, self.v
+        self.work.wait()
+        b, h, l, hd = self.k.shape
+        out = self.out.view(d, 2, b, h, 2, l // 2, hd)
+        # first chunks arrive as 0..D-1, second chunks as 2D-1..D: reverse those
+        natural = torch.cat([out[:, :, :, :, 0], out[:, :, :, :, 1].flip(0)], dim=0)  # [2D, 2, B, Hkv, c, d]
+        natural = natural.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, d * l, hd)
+        return natural[0], natural[1]
+
+
 def gather_kv(k: Tensor, v: Tensor, tsp: TSPGroup) -> tuple[Tensor, Tensor]:
-    """Local k, v [B, Hkv, 2c, d] (zigzag chunks p, 2D-1-p) -> full-sequence k, v [B, Hkv, S, d], natural order."""
-    d = tsp.size
-    if d == 1:
-        return k, v
-    b, h, l, hd = k.shape
-    send = torch.stack([k, v])  # [2, B, Hkv, 2c, d]
-    out = torch.empty(d * send.numel(), dtype=send.dtype, device=send.device)
-    all_gather(out, send.view(-1), tsp)
-    out = out.view(d, 2, b, h, 2, l // 2, hd)
-    # first chunks arrive as 0..D-1, second chunks as 2D-1..D: reverse those
-    natural = torch.cat([out[:, :, :, :, 0], out[:, :, :, :, 1].flip(0)], dim=0)  # [2D, 2, B, Hkv, c, d]
-    natural = natural.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, d * l, hd)
-    return natural[0], natural[1]
+    """Local k, v [B, Hkv, 2c, d] -> full-sequence k, v [B, Hkv, S, d], natural order (blocking)."""
+    return KVGather(k, v, tsp).wait()
 
 
 def scatter_kv_grad(dk: Tensor, dv: Tensor, tsp: TSPGroup) -> tuple[Tensor, Tensor]:
@@ -158,18 +172,21 @@ class BroadcastAttention(torch.autograd.Function):
         saved = []
         for _, buf in broadcast_shards(tsp, local):
             w_q, w_k, w_v, w_o, *biases = unpack(buf, shapes)
-            proj = [x2 @ w.T for w in (w_q, w_k, w_v)]
-            if spec.bias:
-                proj = [p + bias for p, bias in zip(proj, biases)]
-            q_raw, k_raw = _heads(proj[0], b, l, nq, hd), _heads(proj[1], b, l, nkv, hd)
-            v = _heads(proj[2], b, l, nkv, hd)
-            if spec.qk_norm:
-                q = norms[0] * _head_rms(q_raw, spec.eps)[0].to(x.dtype)
-                k = norms[1] * _head_rms(k_raw, spec.eps)[0].to(x.dtype)
-            else:
-                q, k = q_raw, k_raw
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, nq, L, d], [B, nkv, L, d]
-            k_full, v_full = gather_kv(k, v, tsp)  # [B, nkv, S, d]
+
+            def project(w, i, n):  # [B, n, L, d] (+ bias, per-head norm, RoPE as configured)
+                t = x2 @ w.T
+                raw = _heads(t + biases[i] if spec.bias else t, b, l, n, hd)
+                if not spec.qk_norm or i == 2:
+                    return raw, raw
+                return raw, norms[i] * _head_rms(raw, spec.eps)[0].to(x.dtype)
+
+            k_raw, k = project(w_k, 1, nkv)
+            v = project(w_v, 2, nkv)[0]
+            k = apply_rope(k, cos, sin)  # [B, nkv, L, d]
+            kv = KVGather(k, v, tsp)  # K/V exchange in flight while q is projected
+            q_raw, q = project(w_q, 0, nq)
+            q = apply_rope(q, cos, sin)  # [B, nq, L, d]
+            k_full, v_full = kv.wait()  # [B, nkv, S, d]
             o, lse = zigzag_attention(spec.kernel, q, k_full, v_full, tsp)
             del k_full, v_full
             add_matmul_(y, _flat(o), w_o.T)
@@ -196,9 +213,10 @@ class BroadcastAttention(torch.autograd.Function):
         for j, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
             w_q, w_k, w_v, w_o, *_ = unpack(buf, shapes)
             q, k, v, o, lse, *raw = saved[per_shard * j : per_shard * (j + 1)]
+            kv = KVGather(k, v, tsp)  # re-gathered (never saved), in flight during the output projection's grads
             d_wo = dy2.T @ _flat(o)  # [h, nq*d]
             do = _heads(dy2 @ w_o, b, l, nq, hd)
-            k_full, v_full = gather_kv(k, v, tsp)  # re-gathered, never saved
+            k_full, v_full = kv.wait()
             dq, dk_full, dv_full = zigzag_attention_backward(spec.kernel, do, q, k_full, v_full, o, lse, tsp)
             del k_full, v_full
             dk, dv = scatter_kv_grad(dk_full, dv_full, tsp)  # to the token owners, fp32

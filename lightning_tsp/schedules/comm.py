@@ -37,11 +37,11 @@ def reduce_scatter(output: Tensor, input: Tensor, tsp: TSPGroup) -> None:
     fn(output, input, group=tsp.group)
 
 
-def all_gather(output: Tensor, input: Tensor, tsp: TSPGroup) -> None:
+def all_gather(output: Tensor, input: Tensor, tsp: TSPGroup, async_op: bool = False):
     """Concatenate every member's ``input`` into ``output`` ([D * n] elements), in group-rank order."""
     # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor; support both.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=tsp.group)
+    return fn(output, input, group=tsp.group, async_op=async_op)
 
 
 def all_reduce_sum(t: Tensor, tsp: TSPGroup) -> Tensor:

@@ -1,0 +1,190 @@
+"""A plain Llama-style decoder for the baseline strategies (module names follow torchtitan's llama3 model).
+
+RMSNorm (``nn.RMSNorm``, or an elementary-op version), rotary embeddings from explicit position ids (so a rank holding zigzag chunks gets
+the right positions), grouped-query attention through ``F.scaled_dot_product_attention`` (cuDNN on CUDA when
+available), SwiGLU MLP, untied LM head. ``forward`` returns the logits; the strategy computes the loss.
+
+Attention has two modes: local causal attention over the whole sequence it sees (TP, TP-SP), or context
+parallel (``attention.cp_group`` set): this rank's zigzag queries against the K/V of the whole sequence,
+all-gathered over the context-parallel group (see ``cp.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_sdpa_usable(device_index: int) -> bool:
+    """cuDNN SDPA runs here (checked once on a tiny causal bf16 call)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q = torch.randn(1, 2, 128, 128, device=f"cuda:{device_index}", dtype=torch.bfloat16, requires_grad=True)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        return True
+    except Exception:  # noqa: BLE001 - any failure: fall back to PyTorch's default backend choice
+        return False
+
+
+def sdpa_context(x: Tensor, backend: str = "auto"):
+    """The SDPA backend for square causal attention: cuDNN on CUDA when it works (``backend='auto'|'cudnn'``),
+    flash (``'flash'``), or PyTorch's own choice (``'default'``, and always on CPU)."""
+    if x.device.type != "cuda" or backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if backend == "flash":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    if backend == "cudnn" or _cudnn_sdpa_usable(x.device.index or 0):
+        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+    return contextlib.nullcontext()
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin [L, head_dim] for the given position ids (rotate-half convention), computed in fp32."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, L, H, hd]; cos/sin [L, hd]."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """[B, H_kv, L, hd] -> [B, H_kv * n_rep, L, hd] (GQA: expand K/V heads locally before SDPA)."""
+    if n_rep == 1:
+        return x
+    b, h, l, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, l, d).reshape(b, h * n_rep, l, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, sdpa_backend: str = "auto"):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.sdpa_backend = sdpa_backend
+        self.cp_group = None  # set by the context-parallel strategies
+        self.cp_kernel = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, l, _ = x.shape
+        # -1: the local head count under tensor parallelism (column-sharded projections)
+        q = apply_rope(self.wq(x).view(b, l, -1, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(b, l, -1, self.head_dim), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(b, l, -1, self.head_dim).transpose(1, 2)
+        if self.cp_group is None:
+            k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+            with sdpa_context(q, self.sdpa_backend):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            from .cp import zigzag_cp_attention
+
+            o = zigzag_cp_attention(q, k, v, self.cp_group, self.cp_kernel)
+        return self.wo(o.transpose(1, 2).reshape(b, l, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ManualRMSNorm(nn.Module):
+    """RMSNorm from elementary ops in fp32 (a fallback where ``nn.RMSNorm``'s fused kernel lacks DTensor support)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(cfg, kind: str = "torch") -> nn.Module:
+    if kind == "manual":
+        return ManualRMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg, sdpa_backend: str = "auto", norm: str = "torch"):
+        super().__init__()
+        self.attention_norm = make_norm(cfg, norm)
+        self.attention = Attention(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, sdpa_backend)
+        self.ffn_norm = make_norm(cfg, norm)
+        self.feed_forward = FeedForward(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """``cfg``: a lightning_tsp ModelConfig (hidden_size, n_layers, n_heads, n_kv_heads, intermediate_size,
+    vocab_size, rope_theta, norm_eps, init_std)."""
+
+    def __init__(self, cfg, sdpa_backend: str = "auto", norm: str = "torch"):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, sdpa_backend, norm) for i in range(cfg.n_layers)})
+        self.norm = make_norm(cfg, norm)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """tokens [B, L_in]; positions [L_att]: the position ids of the tokens attention sees (L_att = L_in, or
+        the sequence gathered inside a TP-SP group)."""
+        h = self.tok_embeddings(tokens)
+        dev = positions.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.norm.weight.dtype
+        if isinstance(dtype, torch.dtype) and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            dtype = torch.float32
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Normal(0, init_std) for matrices, ones for norms. Works on plain tensors and on DTensors (each rank
+        fills its local shard: the benchmark needs sane values, not a particular model)."""
+        from torch.distributed.tensor import DTensor
+
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if name.endswith("norm.weight"):
+                local.fill_(1.0)
+            elif local.device.type == "cpu":
+                local.normal_(0.0, self.cfg.init_std, generator=g)
+            else:
+                local.normal_(0.0, self.cfg.init_std)

@@ -1,0 +1,27 @@
+"""TSP: lightning_tsp's TSPLlama over a TSPGroup of the whole (fake) world (as benchmarks/fake_pg_step.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .common import Runner, Setup, autocast_ctx, make_batch, make_optimizer
+
+
+def build(setup: Setup, full_state: dict | None = None) -> Runner:
+    from lightning_tsp import TSPGroup, TSPLlama
+
+    tsp = TSPGroup.from_process_group(dist.group.WORLD)
+    model = TSPLlama(setup.cfg, tsp, attention_kernel=setup.attention_kernel,
+                     activation_checkpointing=setup.checkpointing, device=setup.device, dtype=torch.float32)
+    opt = make_optimizer(model.parameters(), setup)
+    ids, _ = make_batch(setup)
+    inputs = [x.to(setup.device) for x in model.shard_batch(ids)]
+
+    def forward_backward():
+        with autocast_ctx(setup):
+            loss = model(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    return Runner(model, opt, forward_backward, f"D={setup.world} zigzag")

@@ -1,0 +1,604 @@
+"""One benchmark harness for TSP and its rivals: one GPU plays rank r of a group of D with PyTorch's fake process
+group (every collective returns at once), so a rank's exact peak memory and compute time are measured the same
+way for every strategy; the communication an 8-GPU H200 NVLink node would add comes from lightning_tsp.planning.
+
+Strategies (benchmarks/baselines/): tsp, tp, tp_sp (Megatron-style sequence parallelism), sp (zigzag context
+parallelism, all-gathered K/V), tp_x_sp (T x S mesh), fsdp_cp (FSDP2 over the context-parallel axis).
+
+One configuration (in this process):
+    python benchmarks/harness.py --strategy tp_sp --model paper-7b --seq-len 131072 --world 8
+A sweep (each configuration in a fresh subprocess; an OOM becomes a row saying OOM):
+    python benchmarks/harness.py --sweep tp:16384,32768 tp_sp:16384 tp_x_sp=2x4:131072 --model paper-7b \
+        --world 8 --out results.md
+The longest sequence that fits a memory budget (doubling + bisection; optionally on fewer layers, extrapolated
+linearly in layers):
+    python benchmarks/harness.py --max-context --strategy tsp --model paper-7b --world 8 --budget-gb 140 \
+        --probe-layers 1 2
+Rows are printed as a markdown table, written to --out, and appended as JSON lines to --jsonl
+(default: --out with the suffix .jsonl). benchmarks/plot.py turns the JSON lines into plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (str(ROOT), str(ROOT / "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+STRATEGIES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "fsdp_cp")
+EXCLUDED = "all communication (fake process group: collectives return at once)"
+
+# reference/anchors.md: paper-7b, 32 layers, D = 8, micro-batch 1, bf16-mixed, AdamW, full checkpointing per
+# block, vocab-parallel loss, cuDNN SDPA (H200, torch 2.11): (peak GB, step s)
+ANCHORS = {
+    ("tp", 16384): (25.09, 0.988), ("tp", 32768): (34.82, 1.347),
+    ("tp", 65536): (56.15, 2.449), ("tp", 131072): (98.82, 6.737),
+    ("tp_sp", 16384): (22.79, 0.849), ("tp_sp", 32768): (22.92, 0.960),
+    ("tp_sp", 65536): (24.34, 2.165), ("tp_sp", 131072): (35.20, 6.172),
+}
+
+# every option that defines one configuration (forwarded to subprocesses and printed in each row's command)
+CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "world", "tp", "sp", "rank",
+               "micro_batch", "precision", "checkpointing", "optimizer", "rmsnorm", "sdpa_backend", "attention_kernel",
+               "fsdp_precision", "steps", "warmup", "device")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--strategy", choices=STRATEGIES, default="tsp")
+    ap.add_argument("--seq-len", type=int, default=131072)
+    ap.add_argument("--model", default="paper-7b", help="a preset of lightning_tsp.models.llama.PRESETS")
+    ap.add_argument("--layers", type=int, help="override the preset's layer count")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--ffn", type=int, help="SwiGLU width")
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--world", type=int, default=8, help="group size D (tp_x_sp: T * S)")
+    ap.add_argument("--tp", type=int, help="tp_x_sp: T (default 2)")
+    ap.add_argument("--sp", type=int, help="tp_x_sp: S (default world / T)")
+    ap.add_argument("--rank", type=int, default=0, help="the rank this GPU plays")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
+    ap.add_argument("--checkpointing", choices=("none", "full"), default="full")
+    ap.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach",
+                    help="AdamW implementation, fp32 states (foreach: torch's CUDA default; its sqrt temporary adds "
+                         "4 B/param to the optimizer-step peak; fused does not)")
+    ap.add_argument("--rmsnorm", choices=("torch", "manual"), default="torch",
+                    help="baselines' RMSNorm: nn.RMSNorm or elementary ops (if the fused kernel lacks DTensor rules)")
+    ap.add_argument("--sdpa-backend", choices=("auto", "cudnn", "flash", "default"), default="auto",
+                    help="square causal SDPA of tp / tp_sp (auto: cuDNN when it runs)")
+    ap.add_argument("--attention-kernel", default="auto",
+                    help="lightning_tsp kernel for the zigzag calls of tsp / sp / tp_x_sp / fsdp_cp")
+    ap.add_argument("--fsdp-precision", choices=("policy", "autocast"), default="policy",
+                    help="fsdp_cp: FSDP2 MixedPrecisionPolicy(bf16, fp32) as torchtitan, or bf16 autocast")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="cost model: GPUs per NVLink node")
+    ap.add_argument("--hardware", default="h200", help="cost model hardware preset")
+    ap.add_argument("--probe-layers", type=int, nargs=2, metavar=("L1", "L2"),
+                    help="measure at L1 and L2 layers and extrapolate peak and step linearly to the full count")
+    ap.add_argument("--sweep", nargs="+", metavar="SPEC",
+                    help="STRATEGY[=TxS]:SEQ[,SEQ...] ...  e.g. tp:16384,32768 tp_x_sp=2x4:131072")
+    ap.add_argument("--max-context", action="store_true", help="longest sequence within --budget-gb")
+    ap.add_argument("--budget-gb", type=float, default=140.0)
+    ap.add_argument("--seq-start", type=int, default=131072, help="max-context: first probe")
+    ap.add_argument("--resolution", type=int, default=65536, help="max-context: stop when the bracket is this narrow")
+    ap.add_argument("--seq-limit", type=int, default=1 << 24, help="max-context: never probe beyond")
+    ap.add_argument("--deadline-s", type=float, default=540.0,
+                    help="sweep / max-context: start no new subprocess after this many seconds")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="per-configuration subprocess limit")
+    ap.add_argument("--in-process", action="store_true",
+                    help="sweep: measure every configuration in this process (quick CPU checks; peaks may mix)")
+    ap.add_argument("--out", help="markdown table file")
+    ap.add_argument("--jsonl", help="JSON lines file (appended; default: --out with suffix .jsonl)")
+    ap.add_argument("--json-out", help=argparse.SUPPRESS)  # internal: a child writes its one row here
+    args = ap.parse_args(argv)
+    if args.strategy == "tp_x_sp":
+        _fill_2d(args)
+    return args
+
+
+def _fill_2d(args) -> None:
+    if args.tp is None:
+        args.tp = 2 if args.sp is None else args.world // args.sp
+    if args.sp is None:
+        args.sp = args.world // args.tp
+    args.world = args.tp * args.sp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+def model_config(args):
+    from lightning_tsp.models.llama import get_config
+
+    over = {k: v for k, v in (("n_layers", args.layers), ("hidden_size", args.hidden), ("n_heads", args.heads),
+                              ("n_kv_heads", args.kv_heads), ("intermediate_size", args.ffn),
+                              ("vocab_size", args.vocab)) if v is not None}
+    if "n_heads" in over and "n_kv_heads" not in over:
+        over["n_kv_heads"] = over["n_heads"]
+    return get_config(args.model, **over)
+
+
+def single_command(args, strategy=None, seq=None, layers=None, tp=None, sp=None, extra=()) -> list[str]:
+    """The command that measures one configuration on its own (what each row prints)."""
+    vals = {k: getattr(args, k) for k in CONFIG_OPTS}
+    vals["strategy"] = strategy or args.strategy
+    vals["seq_len"] = seq or args.seq_len
+    if layers is not None:
+        vals["layers"] = layers
+    if vals["strategy"] == "tp_x_sp":
+        vals["tp"], vals["sp"] = tp or args.tp, sp or args.sp
+        vals["world"] = vals["tp"] * vals["sp"]
+    else:
+        vals["tp"] = vals["sp"] = None
+    defaults = vars(parse_args([]))
+    cmd = ["python", "benchmarks/harness.py", "--strategy", vals["strategy"], "--seq-len", str(vals["seq_len"])]
+    for k in CONFIG_OPTS:
+        v = vals[k]
+        if v is None or (k not in ("model", "world") and v == defaults.get(k)):
+            continue
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return cmd + list(extra)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one measurement (in this process)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    msg = str(exc)
+    return isinstance(exc, oom_types) or "out of memory" in msg.lower() or "ALLOC_FAILED" in msg
+
+
+def measure(args) -> dict:
+    """Build the strategy as rank ``args.rank`` of a fake group, run warm-up + timed steps; a raw row."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from baselines import build
+    from baselines.common import Setup, prime_optimizer
+
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*deprecated")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = model_config(args)
+    row = base_row(args, cfg)
+    row["device"] = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    row["torch"] = torch.__version__
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+        torch.cuda.reset_peak_memory_stats()
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    setup = Setup(cfg, args.strategy, args.world, args.rank, args.seq_len, args.micro_batch,
+                  tp=args.tp or 1, sp=args.sp or 1, checkpointing=args.checkpointing, device=device,
+                  autocast=args.precision == "bf16-mixed", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
+                  attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
+                  norm=args.rmsnorm)
+    times = []
+    try:
+        runner = build(setup)
+        row["layout"] = runner.layout
+        prime_optimizer(runner)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(args.warmup + args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = runner.forward_backward()
+            runner.optimizer.step()
+            runner.optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if i >= args.warmup:
+                times.append(dt)
+        row["status"] = "ok"
+        row["loss"] = float(loss) if torch.isfinite(loss).all() else None  # fake collectives: not meaningful
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        if not _is_oom(exc):
+            raise
+        row["status"] = "OOM"
+        row["error"] = str(exc).splitlines()[0][:300]
+    if cuda:
+        row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        row["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    else:
+        row["peak_gb"] = None  # no allocator statistics on CPU
+        row["peak_note"] = "CPU run: peak memory not measured"
+    row["step_times_s"] = times
+    row["step_s"] = statistics.median(times) if times else None
+    dist.destroy_process_group()
+    return finalize(row)
+
+
+def base_row(args, cfg) -> dict:
+    return {
+        "strategy": args.strategy, "layout": "", "model": args.model, "layers": cfg.n_layers,
+        "hidden": cfg.hidden_size, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.intermediate_size,
+        "vocab": cfg.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "world": args.world,
+        "tp": args.tp, "sp": args.sp, "rank": args.rank, "precision": args.precision,
+        "checkpointing": args.checkpointing, "optimizer": args.optimizer, "warmup": args.warmup,
+        "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
+        "excluded": EXCLUDED, "command": shlex.join(single_command(args)), "status": "?",
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# derived numbers: throughput, model FLOPs, predicted communication, anchors
+# ---------------------------------------------------------------------------------------------------------------
+
+def predicted_comm(row: dict) -> dict:
+    """Communication one GPU would add on an NVLink node (lightning_tsp.planning cost model)."""
+    from lightning_tsp.planning import Layout, communication, estimate, get_hardware, get_precision
+    from lightning_tsp.planning.model import ModelShape
+    from lightning_tsp.planning.strategies import _comm_time
+
+    shape = ModelShape(row["vocab"], row["hidden"], row["layers"], row["heads"], row["kv_heads"], row["ffn"],
+                       name=row["model"])
+    hw, prec = get_hardware(row["hardware"]), get_precision(row["precision"])
+    s, w, gpn = row["strategy"], row["world"], max(row["gpus_per_node"], 1)
+    B, S, mode = row["micro_batch"], row["seq_len"], row["checkpointing"]
+    out = {}
+    if s == "fsdp_cp":
+        entries = communication(shape, Layout("fsdp", w, gpn, fsdp=w), prec, B, S, mode)
+        entries += [e for e in communication(shape, Layout("sp", w, gpn, sp=w), prec, B, S, mode) if e.group == "sp"]
+    else:
+        kw = {"tsp": dict(tsp=w), "tp": dict(tp=w), "tp_sp": dict(tp=w), "sp": dict(sp=w),
+              "tp_x_sp": dict(tp=row["tp"] or 1, sp=row["sp"] or 1)}[s]
+        layout = Layout(s, w, gpn, **kw)
+        entries = communication(shape, layout, prec, B, S, mode)
+        est = estimate(shape, layout, hw, prec, B, S, mode)
+        out["model_peak_gb"] = est.peak_bytes / 1e9  # the cost model's memory, for comparison
+    ov = sum(_comm_time(e, hw, shape.n_layers) for e in entries if e.overlap)
+    ex = sum(_comm_time(e, hw, shape.n_layers) for e in entries if not e.overlap)
+    wire = sum(e.occurrences(shape.n_layers) * e.wire for e in entries)
+    out.update(pred_comm_overlappable_s=ov, pred_comm_exposed_s=ex, pred_comm_s=ov + ex, pred_wire_gb=wire / 1e9,
+               comm_model=f"lightning_tsp.planning, {hw.name}, {gpn} GPUs per node")
+    return out
+
+
+def finalize(row: dict) -> dict:
+    from lightning_tsp.planning.flops import training_flops
+    from lightning_tsp.planning.model import ModelShape
+
+    shape = ModelShape(row["vocab"], row["hidden"], row["layers"], row["heads"], row["kv_heads"], row["ffn"])
+    tokens = row["micro_batch"] * row["seq_len"]
+    model_flops = training_flops(shape, row["micro_batch"], row["seq_len"], row["checkpointing"])["model"]
+    row["model_flops_per_gpu"] = model_flops / row["world"]
+    try:
+        row.update(predicted_comm(row))
+    except Exception as exc:  # noqa: BLE001 - the cost model may not cover a shape; the row still stands
+        row["pred_comm_s"] = None
+        row["comm_model"] = f"unavailable: {exc}"
+    step = row.get("step_s")
+    if row.get("status") == "ok" and step:
+        row["tokens_per_s_per_gpu"] = tokens / row["world"] / step
+        row["model_tflops_per_gpu"] = row["model_flops_per_gpu"] / step / 1e12
+        if row.get("pred_comm_s") is not None:
+            ov, ex = row["pred_comm_overlappable_s"], row["pred_comm_exposed_s"]
+            row["pred_step_with_comm_s"] = max(step, ov) + ex
+            row["comm_hidden"] = ex == 0 and ov <= step
+    anchor = ANCHORS.get((row["strategy"], row["seq_len"]))
+    if (anchor and row["model"] == "paper-7b" and row["layers"] == 32 and row["world"] == 8
+            and row["micro_batch"] == 1 and row["checkpointing"] == "full" and row["precision"] == "bf16-mixed"
+            and row["hidden"] == 4096 and row["vocab"] == 32000):
+        row["anchor_peak_gb"], row["anchor_step_s"] = anchor
+        if row.get("peak_gb") and row.get("status") == "ok":
+            row["anchor_peak_dev"] = row["peak_gb"] / anchor[0] - 1
+        if step:
+            row["anchor_step_dev"] = step / anchor[1] - 1
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------------------------
+
+def _fmt(v, spec: str, none: str = "n/a") -> str:
+    return none if v is None else format(v, spec)
+
+
+def seq_label(n: int) -> str:
+    return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| strategy | layout | seq | peak GB | step s | tokens/s per GPU | model TFLOP/s | predicted comm s "
+            "(overlappable + exposed) | step with comm s | anchor GB / s | command |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        st = r.get("status")
+        peak = r.get("peak_gb")
+        if st == "OOM":
+            peak_s = "OOM" + (f" (>{peak:.1f})" if peak else "")
+        elif st != "ok":
+            peak_s = st or "?"
+        else:
+            peak_s = _fmt(peak, ".2f")
+            if r.get("fits_budget") is False:
+                peak_s += " (over budget)"
+        if r.get("extrapolated_from"):
+            peak_s += f" (extrap. from L={r['extrapolated_from']})"
+        comm = ("n/a" if r.get("pred_comm_s") is None else
+                f"{r['pred_comm_s']:.3f} ({r['pred_comm_overlappable_s']:.3f} + {r['pred_comm_exposed_s']:.3f})"
+                + (" hidden" if r.get("comm_hidden") else ""))
+        anchor = ""
+        if r.get("anchor_peak_gb"):
+            anchor = f"{r['anchor_peak_gb']:.2f} / {r['anchor_step_s']:.3f}"
+            if r.get("anchor_peak_dev") is not None:
+                anchor += f" ({r['anchor_peak_dev']:+.0%} / {r.get('anchor_step_dev', 0):+.0%})"
+        lines.append("| " + " | ".join([
+            r["strategy"], r.get("layout") or "", seq_label(r["seq_len"]), peak_s, _fmt(r.get("step_s"), ".3f"),
+            _fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), _fmt(r.get("model_tflops_per_gpu"), ".0f"), comm,
+            _fmt(r.get("pred_step_with_comm_s"), ".3f"), anchor, f"`{r['command']}`",
+        ]) + " |")
+    r0 = rows[0] if rows else {}
+    lines.append("")
+    lines.append(
+        f"One GPU ({r0.get('device', '?')}, torch {r0.get('torch', '?')}) plays rank {r0.get('rank', 0)} of the group; "
+        f"excluded: {EXCLUDED}. Predicted comm: {r0.get('comm_model', 'n/a')} (overlappable traffic can hide behind "
+        "compute, exposed traffic adds to the step; 'step with comm' = max(step, overlappable) + exposed). "
+        "Model TFLOP/s counts 6 x params x tokens + causal attention exactly, not recompute. Peak = "
+        "torch.cuda.max_memory_allocated / 1e9.")
+    return "\n".join(lines)
+
+
+def emit(rows: list[dict], args) -> None:
+    table = format_table(rows)
+    print(table, flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table + "\n")
+    jsonl = args.jsonl or (str(Path(args.out).with_suffix(".jsonl")) if args.out else None)
+    if jsonl:
+        with open(jsonl, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# subprocesses: sweeps, layer extrapolation, max context
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_child(args, strategy, seq, layers=None, tp=None, sp=None, timeout=None) -> dict:
+    """Measure one configuration in a fresh Python process (peaks do not mix; a crash becomes a row)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        cmd = single_command(args, strategy, seq, layers, tp, sp)
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "harness.py")] + cmd[2:] + [
+            "--gpus-per-node", str(args.gpus_per_node), "--hardware", args.hardware, "--json-out", out]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout or args.timeout_s)
+            rc, err = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired:
+            rc, err = None, "timeout"
+        if rc == 0 and os.path.exists(out):
+            with open(out) as f:
+                row = json.load(f)
+        else:
+            ns = argparse.Namespace(**{**vars(args), "strategy": strategy, "seq_len": seq,
+                                       "layers": layers if layers is not None else args.layers,
+                                       "tp": tp if strategy == "tp_x_sp" else None,
+                                       "sp": sp if strategy == "tp_x_sp" else None})
+            if strategy == "tp_x_sp":
+                ns.world = tp * sp
+            row = base_row(ns, model_config(ns))
+            oom = err != "timeout" and ("out of memory" in err.lower() or "ALLOC_FAILED" in err)
+            row["status"] = "OOM" if oom else ("timeout" if err == "timeout" else "error")
+            tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] if err else []
+            row["error"] = tail[0][:300] if tail else f"exit code {rc}"
+            row = finalize(row)
+        row["wall_s"] = time.perf_counter() - t0
+        return row
+
+
+def extrapolated(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
+    """Peak and step at the full layer count, linear in layers from two measured layer counts."""
+    l1, l2 = args.probe_layers
+    full = model_config(args).n_layers
+    r1 = run_child(args, strategy, seq, l1, tp, sp, timeout)
+    if r1["status"] != "ok":
+        r1["extrapolated_from"] = f"{l1} (failed)"
+        return r1
+    r2 = run_child(args, strategy, seq, l2, tp, sp, timeout)
+    if r2["status"] != "ok":
+        r2["extrapolated_from"] = f"{l2} (failed)"
+        return r2
+    row = dict(r2)
+    k = (full - l2) / (l2 - l1)
+    row["layers"] = full
+    row["peak_gb"] = None if r2.get("peak_gb") is None else r2["peak_gb"] + k * (r2["peak_gb"] - r1["peak_gb"])
+    row["step_s"] = r2["step_s"] + k * (r2["step_s"] - r1["step_s"])
+    row["measured"] = {str(l1): [r1.get("peak_gb"), r1["step_s"]], str(l2): [r2.get("peak_gb"), r2["step_s"]]}
+    row["extrapolated_from"] = f"{l1},{l2}"
+    row["command"] = shlex.join(single_command(args, strategy, seq, tp=tp, sp=sp,
+                                               extra=["--probe-layers", str(l1), str(l2)]))
+    for key in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "pred_step_with_comm_s", "comm_hidden",
+                "anchor_peak_dev", "anchor_step_dev"):
+        row.pop(key, None)
+    return finalize(row)
+
+
+def config_args(args, strategy, seq, tp=None, sp=None) -> argparse.Namespace:
+    ns = argparse.Namespace(**{**vars(args), "strategy": strategy, "seq_len": seq, "tp": tp, "sp": sp})
+    if strategy == "tp_x_sp":
+        ns.world = tp * sp
+    return ns
+
+
+def measure_any(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
+    if args.in_process:
+        t0 = time.perf_counter()
+        row = measure(config_args(args, strategy, seq, tp, sp))
+        row["wall_s"] = time.perf_counter() - t0
+        return row
+    if args.probe_layers:
+        return extrapolated(args, strategy, seq, tp, sp, timeout)
+    return run_child(args, strategy, seq, None, tp, sp, timeout)
+
+
+def parse_sweep(specs: list[str], args) -> list[tuple]:
+    """'tp:16384,32768' 'tp_x_sp=2x4:131072' -> [(strategy, seq, tp, sp), ...]."""
+    out = []
+    for spec in specs:
+        name, _, seqs = spec.partition(":")
+        tp = sp = None
+        name, _, grid = name.partition("=")
+        if name not in STRATEGIES:
+            raise SystemExit(f"--sweep {spec!r}: unknown strategy {name!r} (use {', '.join(STRATEGIES)})")
+        if name == "tp_x_sp":
+            if grid:
+                tp, sp = (int(x) for x in grid.lower().split("x"))
+            else:
+                tp = args.tp or 2
+                sp = args.sp or args.world // tp
+        for s in (seqs or str(args.seq_len)).split(","):
+            n = s.strip().upper()
+            mult = 1 << 20 if n.endswith("M") else 1024 if n.endswith("K") else 1
+            out.append((name, int(n.rstrip("MK")) * mult, tp, sp))
+    return out
+
+
+def sweep(args) -> list[dict]:
+    t0 = time.perf_counter()
+    rows = []
+    for strategy, seq, tp, sp in parse_sweep(args.sweep, args):
+        left = args.deadline_s - (time.perf_counter() - t0)
+        if left <= 0:
+            print(f"# deadline reached: skipped {strategy} {seq}", file=sys.stderr)
+            continue
+        row = measure_any(args, strategy, seq, tp, sp, timeout=min(args.timeout_s, max(left, 30)))
+        rows.append(row)
+        print(f"# {strategy} {row.get('layout', '')} S={seq}: {row['status']} peak {_fmt(row.get('peak_gb'), '.2f')} "
+              f"GB step {_fmt(row.get('step_s'), '.3f')} s ({row['wall_s']:.0f} s wall)", file=sys.stderr, flush=True)
+    return rows
+
+
+def _round(n: int, q: int) -> int:
+    return max(q, n // q * q)
+
+
+def max_context(args) -> list[dict]:
+    """Longest sequence whose peak stays within --budget-gb: doubling until a failure, then bisection down to
+    --resolution; once two fitting points are known, the next probe is also capped by their linear fit (peak is
+    close to linear in the sequence length with flash-style attention), which saves the slowest probes."""
+    t0 = time.perf_counter()
+    q = args.resolution
+    tp, sp = (args.tp, args.sp) if args.strategy == "tp_x_sp" else (None, None)
+    fits: dict[int, dict] = {}
+    rows = []
+    lo, hi = None, None
+
+    def probe(seq):
+        left = args.deadline_s - (time.perf_counter() - t0)
+        if left <= 0:
+            return None
+        r = measure_any(args, args.strategy, seq, tp, sp, timeout=min(args.timeout_s, max(left, 30)))
+        ok = r["status"] == "ok" and (r.get("peak_gb") is None or r["peak_gb"] <= args.budget_gb)
+        r["fits_budget"] = ok
+        rows.append(r)
+        print(f"# probe S={seq}: {r['status']} peak {_fmt(r.get('peak_gb'), '.2f')} GB -> "
+              f"{'fits' if ok else 'does not fit'} ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        return ok
+
+    seq = _round(args.seq_start, q)
+    while True:
+        ok = probe(seq)
+        if ok is None:
+            break
+        if ok:
+            fits[seq] = rows[-1]
+            lo = seq
+        else:
+            hi = seq
+            if lo is None:
+                if seq <= q:
+                    break
+                seq = _round(seq // 2, q)
+                continue
+        if hi is not None and hi - lo <= q:
+            break
+        if hi is None:
+            nxt = min(2 * lo, args.seq_limit)
+            if len(fits) >= 2:
+                (s1, r1), (s2, r2) = sorted(fits.items())[-2:]
+                if r1.get("peak_gb") and r2.get("peak_gb") and r2["peak_gb"] > r1["peak_gb"]:
+                    slope = (r2["peak_gb"] - r1["peak_gb"]) / (s2 - s1)
+                    pred = s2 + (args.budget_gb - r2["peak_gb"]) / slope
+                    nxt = min(nxt, max(lo + q, _round(int(pred), q)))
+            if nxt <= lo:
+                break
+        else:
+            nxt = _round((lo + hi) // 2, q)
+            if nxt <= lo:
+                nxt = lo + q
+            if nxt >= hi:
+                break
+        seq = nxt
+    summary = {
+        "strategy": args.strategy, "budget_gb": args.budget_gb, "max_seq_fits": lo, "first_seq_over": hi,
+        "resolution": q, "probe_layers": args.probe_layers, "elapsed_s": time.perf_counter() - t0,
+    }
+    note = (f"max context for {args.strategy} ({rows[0].get('layout', '') if rows else ''}) within "
+            f"{args.budget_gb:g} GB: {seq_label(lo) if lo else 'none'} fits"
+            + (f", {seq_label(hi)} does not" if hi else ", no failure found (search stopped)")
+            + (f"; peaks extrapolated linearly in layers from {args.probe_layers[0]} and {args.probe_layers[1]} "
+               f"layers to {model_config(args).n_layers}" if args.probe_layers else ""))
+    print("# " + note, flush=True)
+    for r in rows:
+        r["max_context"] = summary
+    return rows, note
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.json_out:  # child: one configuration, one row
+        row = measure(args)
+        Path(args.json_out).write_text(json.dumps(row))
+        return
+    if args.max_context:
+        rows, note = max_context(args)
+        emit(rows, args)
+        print("\n" + note)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write("\n" + note + "\n")
+        return
+    if args.sweep:
+        rows = sweep(args)
+    elif args.probe_layers:
+        rows = [extrapolated(args, args.strategy, args.seq_len, args.tp, args.sp)]
+    else:
+        rows = [measure(args)]
+    emit(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Plots from the harness's JSON lines (benchmarks/harness.py --out X.md writes X.jsonl).
+
+    python benchmarks/plot.py results.jsonl [more.jsonl ...] --out-dir plots/ [--budget-gb 141]
+
+Writes peak_memory.png (peak GB per rank vs sequence length, one line per strategy and layout; OOM rows drawn as
+crosses at the top) and throughput.png (tokens/s per GPU per strategy, grouped by sequence length, with the
+predicted step including communication drawn as a lighter bar when it is slower). Rows of one model
+configuration only (the most frequent one, unless --model/--layers say otherwise); the last row of a
+(strategy, layout, seq) wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+
+def load(paths: list[str]) -> list[dict]:
+    rows = []
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def select(rows: list[dict], model: str | None, layers: int | None) -> list[dict]:
+    if model is None and layers is None and rows:
+        common = Counter((r.get("model"), r.get("layers")) for r in rows).most_common(1)[0][0]
+        model, layers = common
+    rows = [r for r in rows if (model is None or r.get("model") == model) and (layers is None or r.get("layers") == layers)]
+    last = {}
+    for r in rows:
+        last[(r["strategy"], r.get("layout", ""), r["seq_len"])] = r
+    return list(last.values())
+
+
+def label(r: dict) -> str:
+    lay = r.get("layout") or ""
+    return f"{r['strategy']} ({lay})" if lay else r["strategy"]
+
+
+def seq_label(n: int) -> str:
+    return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("jsonl", nargs="+")
+    ap.add_argument("--out-dir", default="plots")
+    ap.add_argument("--model")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--budget-gb", type=float, help="draw a horizontal line at this memory budget")
+    args = ap.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = select(load(args.jsonl), args.model, args.layers)
+    if not rows:
+        raise SystemExit("no rows to plot")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    title = f"{rows[0].get('model')} ({rows[0].get('layers')} layers), one rank of {rows[0].get('world')}"
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        series.setdefault(label(r), []).append(r)
+
+    # peak memory vs sequence length
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ok_peaks = [r["peak_gb"] for r in rows if r.get("status") == "ok" and r.get("peak_gb")]
+    top = max(ok_peaks + [args.budget_gb or 0]) * 1.08 if ok_peaks else 1.0
+    for name, rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["seq_len"])
+        pts = [(r["seq_len"], r["peak_gb"]) for r in rs if r.get("status") == "ok" and r.get("peak_gb")]
+        line = None
+        if pts:
+            extrap = any(r.get("extrapolated_from") for r in rs)
+            (line,) = ax.plot(*zip(*pts), marker="o", linestyle="--" if extrap else "-",
+                              label=name + (" (extrapolated in layers)" if extrap else ""))
+        oom = [r["seq_len"] for r in rs if r.get("status") == "OOM"]
+        if oom:
+            ax.scatter(oom, [top] * len(oom), marker="x", color=line.get_color() if line else "black",
+                       label=None if line else f"{name}: OOM")
+    if args.budget_gb:
+        ax.axhline(args.budget_gb, color="grey", linestyle=":", label=f"budget {args.budget_gb:g} GB")
+    ax.set_xscale("log", base=2)
+    seqs = sorted({r["seq_len"] for r in rows})
+    ax.set_xticks(seqs, [seq_label(s) for s in seqs])
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("peak memory per rank (GB)")
+    ax.set_title(f"Peak memory: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "peak_memory.png", dpi=120)
+    plt.close(fig)
+
+    # tokens/s per GPU, grouped by sequence length
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(seqs)), 5))
+    names = sorted(series)
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        by_seq = {r["seq_len"]: r for r in series[name]}
+        xs, ys, ys_comm = [], [], []
+        for j, s in enumerate(seqs):
+            r = by_seq.get(s)
+            if r and r.get("tokens_per_s_per_gpu"):
+                xs.append(j + (i - (len(names) - 1) / 2) * width)
+                ys.append(r["tokens_per_s_per_gpu"])
+                step_c = r.get("pred_step_with_comm_s")
+                ys_comm.append(r["tokens_per_s_per_gpu"] * r["step_s"] / step_c if step_c else ys[-1])
+        if xs:
+            bars = ax.bar(xs, ys, width, label=name, alpha=0.35)
+            ax.bar(xs, ys_comm, width, color=bars.patches[0].get_facecolor()[:3])
+    ax.set_xticks(range(len(seqs)), [seq_label(s) for s in seqs])
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_title(f"Throughput (solid: with predicted communication; light: compute only)\n{title}", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out / 'peak_memory.png'} and {out / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()
