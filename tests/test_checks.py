@@ -36,8 +36,8 @@ def test_head_dim_must_be_given_when_hidden_is_not_a_multiple_of_heads():
 
 
 def test_unknown_checkpointing_mode():
-    with pytest.raises(TSPConfigError, match="activation_checkpointing='selective'"):
-        TSPLlama(ModelConfig(), activation_checkpointing="selective", device="meta")
+    with pytest.raises(TSPConfigError, match="activation_checkpointing='partial'"):
+        TSPLlama(ModelConfig(), activation_checkpointing="partial", device="meta")
 
 
 def test_badly_sharded_inputs_fail_before_communication():

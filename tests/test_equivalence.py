@@ -134,6 +134,7 @@ def _worker(rank: int, world_size: int) -> None:
         for checkpointing in ("none", "full"):
             check_case(shapes_for(world_size, gqa), checkpointing)
     check_case(shapes_for(world_size, True, tie=True), "none")
+    check_case(shapes_for(world_size, True), "selective")
     if world_size == 2:  # Qwen2-style q/k/v biases and Qwen3-style q/k norms with an explicit head_dim
         check_case(dataclasses.replace(shapes_for(world_size, True), attention_bias=True), "full")
         check_case(dataclasses.replace(shapes_for(world_size, True), qk_norm=True, head_dim=12), "none")

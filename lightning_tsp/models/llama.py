@@ -57,6 +57,8 @@ class ModelConfig:
         return self.n_layers * per_layer + v * h * (1 if self.tie_embeddings else 2) + h
 
 
+CHECKPOINTING_MODES = ("none", "selective", "full")
+
 _PRESET_ARGS: dict[str, dict] = {
     # CPU tests and the quick-start demo (byte-level vocabulary).
     "tiny": {},
@@ -88,9 +90,14 @@ class TSPDecoderLayer(nn.Module):
         self.post_attention_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
         self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, checkpoint_mlp: bool = False) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if checkpoint_mlp:  # "selective": keep attention's activations, recompute the norm + MLP ring in backward
+            return x + checkpoint(self._mlp_block, x, use_reentrant=False)
+        return x + self._mlp_block(x)
+
+    def _mlp_block(self, x: Tensor) -> Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
 
 
 class _Backbone(nn.Module):
@@ -116,7 +123,7 @@ class TSPLlama(nn.Module):
         tsp: TSPGroup | None = None,
         *,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "full"] = "none",
+        activation_checkpointing: Literal["none", "selective", "full"] = "none",
         token_chunk: int = 4096,
         device=None,
         dtype=None,
@@ -126,9 +133,9 @@ class TSPLlama(nn.Module):
         check_model_shape(tsp_size=tsp.size, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                           hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                           vocab_size=cfg.vocab_size)
-        if activation_checkpointing not in ("none", "full"):
+        if activation_checkpointing not in CHECKPOINTING_MODES:
             raise TSPConfigError(
-                f"activation_checkpointing={activation_checkpointing!r}; choose 'none' or 'full'"
+                f"activation_checkpointing={activation_checkpointing!r}; choose one of {CHECKPOINTING_MODES}"
             )
         self.cfg, self.tsp, self.activation_checkpointing = cfg, tsp, activation_checkpointing
         self.attention_kernel, self.token_chunk = attention_kernel, token_chunk
@@ -224,10 +231,11 @@ class TSPLlama(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         for layer in self.model.layers:
-            if self.activation_checkpointing == "full" and torch.is_grad_enabled():
+            mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
+            if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, checkpoint_mlp=mode == "selective")
         return self.model.norm(x)
 
     def token_losses(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor) -> Tensor:

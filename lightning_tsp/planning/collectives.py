@@ -136,7 +136,7 @@ def tsp_layer_collectives(
     Backward: D broadcasts again, D K/V all-gathers again (gathered K/V are not saved), D dK/dV reduce-scatters
     (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad all-reduces of h fp32, D-1 MLP weight sends
     (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
-    backward (one more forward's worth); "selective" recomputes only local ops (no extra collectives).
+    backward (one more forward's worth); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
     Returns phase -> op -> bytes (``what="bytes"``) or number of calls (``what="calls"``).
     """
     _check_what(what)
@@ -165,6 +165,8 @@ def tsp_layer_collectives(
         recompute = fwd["forward"]
         for op, v in recompute.items():
             out["backward"][op] += v
+    elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again
+        out["backward"]["send"] += fwd["forward"]["send"]
     return out
 
 

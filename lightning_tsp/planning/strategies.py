@@ -223,7 +223,8 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
         2 in TSP's ring MLP (gate and up; silu and the product are recomputed in backward);
       gathered full-sequence K/V, where a strategy keeps them (SP, TPxSP).
     ``selective`` recomputes the norms (unless their output was gathered: that needs communication) and the
-    SwiGLU elementwise ops (keeps 2 F-wide tensors); ``full`` keeps only the layer input (residual dtype).
+    SwiGLU elementwise ops (keeps 2 F-wide tensors); for TSP (``mlp_saved == 2``) it keeps the attention half and
+    re-runs the second norm and the MLP ring from the block's input; ``full`` keeps only the layer input.
     """
     h, hd, a, r = shape.hidden_size, shape.hd, p.compute, p.residual
     norm_in = 2 * h * r * T_res  # both norms' inputs
@@ -235,6 +236,8 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
     full = norm_in + normalised + norm_out + attn + mlp + kvg
     if mode == "none":
         saved = full
+    elif mode == "selective" and mlp_saved == 2:  # TSP: keeps the attention half, re-runs norm + MLP block
+        saved = (norm_in + normalised + norm_out) / 2 + attn + h * r * T_res
     elif mode == "selective":
         saved = norm_in + (norm_out if norm_gathered else 0) + attn + 2 * F_loc * a * T_tok + kvg
     elif mode == "full":
