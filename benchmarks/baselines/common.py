@@ -77,6 +77,13 @@ def apply_checkpointing(model: nn.Module, mode: str) -> None:
         raise ValueError(f"checkpointing {mode!r}: use none or full")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    if torch.cuda.is_available():
+        # Probe cuDNN SDPA now: the probe runs a backward, and inside a checkpointed forward its saved tensors
+        # would differ from the recomputation's ("different number of tensors saved" at backward).
+        from .model import _cudnn_sdpa_usable
+
+        _cudnn_sdpa_usable(torch.cuda.current_device())
+
     for name, block in list(model.layers.named_children()):
         model.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                 preserve_rng_state=False)
