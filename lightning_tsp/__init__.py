@@ -24,6 +24,9 @@ _EXPORTS = {
     "zigzag_shard": "lightning_tsp.zigzag",
     "zigzag_unshard": "lightning_tsp.zigzag",
     "TSPStrategy": "lightning_tsp.strategy",
+    "predict_logprobs": "lightning_tsp.strategy",
+    "Perplexity": "lightning_tsp.metrics",
+    "generate": "lightning_tsp.inference",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,7 +9,13 @@ Lightning glue only; the parallel math lives in the layers and schedules. What t
   ``torch.distributed.checkpoint`` see the real sharding;
 * turns each global batch ``{"input_ids": [B, S], "labels": [B, S] (optional)}`` into this rank's zigzag slice,
   as the keyword arguments ``TSPLlama.forward`` takes, so ``loss = self.model(**batch)`` trains unchanged;
-* averages gradients over the data-parallel axis after backward (skipped on non-final accumulation micro-batches).
+* averages gradients over the data-parallel axis after backward (skipped on non-final accumulation micro-batches);
+* clips gradients by their TSP-aware global norm (``Trainer(gradient_clip_val=...)``): each parameter counted once
+  whatever its placement, fp32, one all-reduce over the TSP group;
+* saves sharded DCP checkpoints (every model / optimizer tensor checked to be a DTensor, plus ``tsp_model.json``)
+  and checks, before any collective, that a checkpoint to load fits the model (see ``docs/checkpoints.md``).
+
+``predict_logprobs(module, batch)`` scores the tokens of a predict batch (natural order, full sequence).
 
 Loss normalisation: the batch carries ``num_valid_tokens = N / dp`` where N is the number of valid target tokens
 of the whole global batch (every TSP rank and every data-parallel replica, one all-reduce over the world). Each
@@ -21,9 +27,10 @@ gives exactly the global token-mean loss.
 from __future__ import annotations
 
 import sys
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -42,13 +49,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_tsp import _registration
+from lightning_tsp import checkpoint as _ckpt
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.convert import convert_modules
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.mesh import TSP_DIM, SizeArg, Topology, build_mesh, dp_group, resolve_topology, tsp_group
 from lightning_tsp.models.llama import TSPLlama
 from lightning_tsp.schedules.comm import local_tensor
-from lightning_tsp.zigzag import IGNORE_INDEX, shard_batch
+from lightning_tsp.zigzag import IGNORE_INDEX, shard_batch, zigzag_unshard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -281,6 +289,7 @@ class TSPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._install_gradient_clipping(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -358,6 +367,8 @@ class TSPStrategy(ModelParallelStrategy):
         for name, p in sharded.named_parameters():
             p.requires_grad_(params[name].requires_grad)
         sharded.train(full.training)
+        if getattr(full, "hf_config", None) is not None and getattr(sharded, "hf_config", None) is None:
+            sharded.hf_config = full.hf_config  # consolidation writes it as config.json
         return sharded
 
     def _replace_module(self, old: nn.Module, new: nn.Module) -> None:
@@ -501,3 +512,158 @@ class TSPStrategy(ModelParallelStrategy):
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+
+    # ---- gradient clipping -----------------------------------------------------------------------------------
+
+    def _install_gradient_clipping(self, plugin: Precision) -> None:
+        """Route the precision plugin's ``clip_grad_by_norm`` (what ``Trainer(gradient_clip_val=...,
+        gradient_clip_algorithm="norm")`` ends in) to :meth:`clip_grad_norm`. Lightning has no strategy hook for
+        clipping, so the plugin instance gets an attribute that shadows its method."""
+        if self._precision_plugin is None:
+            self._precision_plugin = plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            self.clip_grad_norm(_optimizer_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @torch.no_grad()
+    def grad_norm(self, parameters: Iterable[Tensor]) -> Tensor:
+        """Global 2-norm of the gradients of ``parameters``, each parameter counted once whatever its placement.
+
+        ``Shard`` gradients: every TSP rank adds the squares of its shard; ``Replicate`` gradients (norms): only
+        TSP rank 0 adds them. One all-reduce (sum) over the TSP group, accumulated in fp32 (fp64 for fp64
+        gradients). Data-parallel replicas hold identical averaged gradients, so nothing is summed over dp.
+        """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        grads = [p.grad for p in parameters if p.grad is not None]
+        acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        device = grads[0].device if grads else self.root_device
+        total = torch.zeros((), dtype=acc_dtype, device=device)
+        tsp = self.tsp_group
+        for g in grads:
+            if isinstance(g, DTensor):
+                placements = tuple(g.placements)
+                if g.device_mesh.ndim != 1 or not all(isinstance(pl, (Shard, Replicate)) for pl in placements):
+                    raise TSPConfigError(
+                        f"gradient clipping: a gradient with placements {placements} on mesh {g.device_mesh} is not "
+                        f"a TSP gradient (Shard/Replicate on the 'tsp' sub-mesh)"
+                    )
+                if isinstance(placements[0], Replicate) and tsp.rank != 0:
+                    continue
+                g = g.to_local()
+            elif tsp.size > 1:
+                raise TSPConfigError(
+                    f"gradient clipping: a plain (non-DTensor) gradient of shape {tuple(g.shape)}; TSPStrategy only "
+                    f"trains DTensor parameters of TSP models"
+                )
+            total += g.detach().to(acc_dtype).square().sum()
+        if tsp.size > 1:
+            dist.all_reduce(total, group=tsp.group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+        """TSP-aware ``torch.nn.utils.clip_grad_norm_`` (2-norm): scales the gradients in place by
+        ``min(1, max_norm / (norm + 1e-6))`` and returns the global norm before clipping."""
+        params = [p for p in parameters if p.grad is not None]
+        total = self.grad_norm(params)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            g = local_tensor(p.grad)
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+
+    def checkpoint_metadata(self) -> dict:
+        """What ``tsp_model.json`` holds: classes, configs and full shapes of the TSP models (plain JSON)."""
+        assert self.model is not None
+        return _ckpt.module_metadata(self.model, self.tsp_size, self.data_parallel_size)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._save_distributed_checkpoint:
+            # DCP keeps one copy of a plain tensor: per-rank shards saved that way would be lost without a sound
+            _ckpt.assert_sharded_state(checkpoint.get("state_dict", {}), "state_dict")
+            for i, state in enumerate(checkpoint.get("optimizer_states", [])):
+                _ckpt.assert_sharded_state(state, f"optimizer_states[{i}]")
+        metadata = self.checkpoint_metadata()
+        checkpoint[_ckpt.METADATA_KEY] = metadata
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._save_distributed_checkpoint and self.global_rank == 0:
+            _ckpt.write_module_metadata(filepath, metadata)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.check_checkpoint_fits(checkpoint_path, weights_only)  # before any collective
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def check_checkpoint_fits(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> None:
+        """Raise :class:`TSPConfigError` (on every rank, no collective) when the checkpoint's tensors do not fit
+        the model: a shape differs (the message names the parameter and both shapes), a parameter is missing or
+        unexpected (with ``strict_loading``), or optimizer states are missing while fitting."""
+        assert self.lightning_module is not None and self.model is not None
+        path = Path(checkpoint_path)
+        strict = self.lightning_module.strict_loading
+        expected = _ckpt.expected_tensor_shapes(self.model)
+        if _ckpt.is_sharded_checkpoint(path):
+            saved = _ckpt.saved_tensor_shapes(path)
+            _ckpt.check_state_compatible(expected, saved, strict, str(path))
+            top = _ckpt.saved_top_level_keys(path)
+            missing = [f"optimizer_{i}" for i in range(len(self.optimizers)) if f"optimizer_{i}" not in top]
+            if missing:
+                raise TSPConfigError(
+                    f"checkpoint {path} holds no state for {missing} but the run has {len(self.optimizers)} "
+                    f"optimizer(s): it was saved by another training setup"
+                )
+        elif path.is_file():
+            ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+            saved = {k: tuple(v.shape) for k, v in ckpt.get("state_dict", {}).items() if isinstance(v, Tensor)}
+            _ckpt.check_state_compatible(expected, saved, strict, str(path))
+
+
+# ---- prediction ------------------------------------------------------------------------------------------------
+
+
+def _optimizer_params(optimizer: Any) -> list[Tensor]:
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def find_tsp_model(module: nn.Module) -> TSPLlama:
+    """The (single, outermost) TSPLlama of ``module`` (``module`` itself if it is one)."""
+    if isinstance(module, TSPLlama):
+        return module
+    found = [m for m in module.modules() if isinstance(m, TSPLlama)]
+    outer = [m for m in found if not any(m is not o and any(m is s for s in o.modules()) for o in found)]
+    if len(outer) != 1:
+        raise TSPConfigError(
+            f"predict_logprobs needs exactly one TSPLlama in the module, found {len(outer)}: pass the TSPLlama itself"
+        )
+    return outer[0]
+
+
+def gather_sequence(local: Tensor, tsp: TSPGroup, dim: int = 1) -> Tensor:
+    """All-gather this rank's zigzag slice [.., S/D, ..] over the TSP group -> natural order [.., S, ..]."""
+    if tsp.size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tsp.size)]
+    dist.all_gather(parts, local.contiguous(), group=tsp.group)
+    return zigzag_unshard(parts, dim=dim)
+
+
+@torch.no_grad()
+def predict_logprobs(module: nn.Module, batch: Mapping[str, Tensor], gather: bool = True) -> Tensor:
+    """Per-token log-probabilities for long-context scoring, for ``predict_step`` under TSPStrategy.
+
+    ``batch`` is what the strategy hands to ``predict_step`` (this rank's zigzag slice of the global batch).
+    Returns float32 ``[B, S]`` in NATURAL token order on EVERY rank of the TSP group (all-gathered):
+    ``out[b, t] = log p(token[t + 1] | tokens[<= t])`` and ``NaN`` where there is no target: the last position,
+    ``labels == -100`` and padding (``attention_mask == 0``). ``gather=False`` returns this rank's zigzag slice
+    ``[B, S/D]`` instead (no collective). Every rank of the TSP group must call it (collectives inside).
+    """
+    model = find_tsp_model(module)
+    targets = batch["targets"]
+    losses = model.token_losses(batch["input_ids"], targets, batch["position_ids"])
+    logp = (-losses.to(torch.float32)).masked_fill(targets == IGNORE_INDEX, float("nan"))
+    return gather_sequence(logp, model.tsp) if gather else logp
