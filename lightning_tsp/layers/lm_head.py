@@ -20,7 +20,7 @@ from lightning_tsp.zigzag import IGNORE_INDEX
 
 
 class RingCrossEntropy(torch.autograd.Function):
-    """Per-token loss [B, L] (0 where the target is ``IGNORE_INDEX``) of hidden x [B, L, h] against targets."""
+    """Per-token loss [B, L] in fp32 (0 where the target is ``IGNORE_INDEX``) of hidden x [B, L, h] against targets."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, tsp: TSPGroup, token_chunk: int):
@@ -48,7 +48,7 @@ class RingCrossEntropy(torch.autograd.Function):
         loss = torch.where(valid, lse - target_logit, 0)
         ctx.tsp, ctx.token_chunk = tsp, token_chunk
         ctx.save_for_backward(x, weight, targets, lse)
-        return loss.view(b, l).to(x.dtype)
+        return loss.view(b, l)  # fp32 (fp64 stays fp64): per-token losses are not rounded to the compute dtype
 
     @staticmethod
     def backward(ctx, dloss):

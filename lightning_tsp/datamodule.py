@@ -1,0 +1,138 @@
+"""``TextDataModule``: text packed into fixed-length sequences, for ``lightning-tsp fit``.
+
+Sources: ``stdlib`` (Python's own standard-library source, real text present offline on every machine), or
+files and directories (``.txt``/``.md``/``.py``/... one document per file, ``.jsonl`` one document per line,
+``.parquet`` a text column). Byte-level tokens (vocabulary 256) unless a local Hugging Face tokenizer directory is
+given. Documents are joined with an end-of-text token and cut into ``seq_len`` windows; the last
+``val_fraction`` of the windows is the validation set (a contiguous tail, so few documents straddle the split).
+
+Batches are ``{"input_ids": [B, seq_len]}``: the FULL sequences of one data-parallel replica. TSPStrategy cuts
+them into each rank's zigzag slice. The DataLoaders are plain; Lightning injects a ``DistributedSampler`` with
+``TSPStrategy.distributed_sampler_kwargs`` (``num_replicas`` = data-parallel size, ``rank`` = data-parallel rank),
+so the ranks of one TSP group read the same samples and the replicas read different ones.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from lightning.pytorch import LightningDataModule
+
+from lightning_tsp.data import BYTE_VOCAB, PackedTextDataset, stdlib_text_files
+
+STDLIB = "stdlib"
+
+
+class TextDataModule(LightningDataModule):
+    """Packed causal-LM text data.
+
+    Arguments:
+        source: ``"stdlib"`` (Python's standard-library source), or a path / list of paths (files or
+            directories; ``.jsonl`` and ``.parquet`` read the ``text_key`` field).
+        seq_len: tokens per sequence (the global sequence length; a multiple of ``2 * tsp_size``).
+        batch_size: sequences per micro-batch per data-parallel replica (all ranks of a TSP group share it).
+        tokenizer: a local Hugging Face tokenizer directory (nothing is downloaded); default: UTF-8 bytes.
+        text_key: the text field of ``.jsonl`` / ``.parquet`` records.
+        val_fraction: fraction of the sequences held out for validation (at least one when > 0).
+        max_tokens: stop reading text after this many tokens (default: read everything).
+        stdlib_bytes: how much standard-library source to read for ``source="stdlib"``.
+        shuffle: shuffle the training sequences every epoch (the sampler's seed is the same on every rank).
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        source: Union[str, list[str]] = STDLIB,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        tokenizer: Optional[str] = None,
+        text_key: str = "text",
+        val_fraction: float = 0.05,
+        max_tokens: Optional[int] = None,
+        stdlib_bytes: int = 4_000_000,
+        shuffle: bool = True,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"seq_len={seq_len} must be >= 2")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
+        self.save_hyperparameters()
+        self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
+        self.tokenizer, self.text_key, self.val_fraction = tokenizer, text_key, val_fraction
+        self.max_tokens, self.stdlib_bytes = max_tokens, stdlib_bytes
+        self.shuffle, self.num_workers = shuffle, num_workers
+        self.dataset: Optional[PackedTextDataset] = None
+        self.train_set: Optional[Dataset] = None
+        self.val_set: Optional[Dataset] = None
+
+    # ---- data --------------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in ``[0, vocab_size)``; the model's vocabulary must be at least this large."""
+        if self.dataset is not None:
+            return self.dataset.vocab_size
+        if self.tokenizer is None:
+            return BYTE_VOCAB
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True))
+
+    def paths(self) -> list[Path]:
+        if isinstance(self.source, str) and self.source == STDLIB:
+            return stdlib_text_files(self.stdlib_bytes)
+        sources = [self.source] if isinstance(self.source, (str, os.PathLike)) else list(self.source)
+        paths = [Path(os.path.expanduser(str(s))) for s in sources]
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing:
+            raise FileNotFoundError(f"data source(s) not found: {missing} (use source: stdlib for the built-in text)")
+        return paths
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.dataset is not None:
+            return
+        # Every rank tokenizes the same text: deterministic, and no file is written (nothing to race on).
+        self.dataset = PackedTextDataset(self.paths(), self.seq_len, tokenizer=self.tokenizer,
+                                         text_key=self.text_key, max_tokens=self.max_tokens)
+        self.train_set, self.val_set = split(self.dataset, self.val_fraction)
+
+    # ---- loaders -----------------------------------------------------------------------------------------------
+
+    def _loader(self, dataset: Optional[Dataset], shuffle: bool, drop_last: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("TextDataModule.setup() has not run")
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        # drop_last: every step has full micro-batches, so token counts and throughput stay constant
+        return self._loader(self.train_set, self.shuffle, drop_last=len(self.train_set) >= self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, False, drop_last=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+def split(dataset: Dataset, val_fraction: float) -> tuple[Subset, Subset]:
+    """Train = the first windows, validation = the last ``max(1, round(val_fraction * n))`` (disjoint;
+    together all ``n``)."""
+    n = len(dataset)
+    n_val = 0 if val_fraction <= 0 else max(1, int(round(val_fraction * n)))
+    if n_val >= n:
+        raise ValueError(f"the text gives only {n} sequences: too few for a validation fraction of {val_fraction}")
+    indices = torch.arange(n).tolist()
+    return Subset(dataset, indices[: n - n_val]), Subset(dataset, indices[n - n_val:])
