@@ -182,7 +182,7 @@ class TSPThroughputMonitor(Callback):
         local = torch.tensor([float(value)], dtype=torch.float64, device=device)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             gathered = torch.empty(dist.get_world_size(), dtype=local.dtype, device=device)
-            dist.all_gather_into_tensor(gathered, local)
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local)
             local = gathered
         per_rank = local.tolist()
         out = {f"{key}/rank{r}": v / 2**30 for r, v in enumerate(per_rank)}
