@@ -356,6 +356,7 @@ class TSPStrategy(ModelParallelStrategy):
             attention_kernel=full.attention_kernel,
             activation_checkpointing=full.activation_checkpointing,
             token_chunk=full.token_chunk,
+            kv_bucket_heads=full.kv_bucket_heads,
             device="meta",
             dtype=dtype,
         )

@@ -71,12 +71,12 @@ def run_and_capture(model: TSPLlama, ids, labels):
     return loss.detach(), full_grads(model), emb_grad
 
 
-def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10) -> None:
+def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10, **model_kwargs) -> None:
     tag = f"D={world_tsp().size} heads={cfg.n_heads}/{cfg.n_kv_heads} tie={cfg.tie_embeddings} ckpt={checkpointing}"
     ids, labels = batch(cfg, B, S)
     ref = TSPLlama(cfg, None, dtype=torch.float64)
     randomize_biases_and_norms(ref)
-    model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float64)
+    model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float64, **model_kwargs)
     model.load_full_state_dict(ref.state_dict())
     ref_loss, ref_grads, ref_emb = run_and_capture(ref, ids, labels)
     loss, grads, emb = run_and_capture(model, ids, labels)
@@ -135,6 +135,10 @@ def _worker(rank: int, world_size: int) -> None:
             check_case(shapes_for(world_size, gqa), checkpointing)
     check_case(shapes_for(world_size, True, tie=True), "none")
     check_case(shapes_for(world_size, True), "selective")
+    # head bucketing: the 2 local KV heads gathered one at a time
+    bucketed = dataclasses.replace(shapes_for(world_size, True), n_heads=4 * world_size, n_kv_heads=2 * world_size,
+                                   hidden_size=32 * world_size)
+    check_case(bucketed, "full", kv_bucket_heads=1)
     if world_size == 2:  # Qwen2-style q/k/v biases and Qwen3-style q/k norms with an explicit head_dim
         check_case(dataclasses.replace(shapes_for(world_size, True), attention_bias=True), "full")
         check_case(dataclasses.replace(shapes_for(world_size, True), qk_norm=True, head_dim=12), "none")

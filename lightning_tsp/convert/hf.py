@@ -200,20 +200,6 @@ class TSPCausalLM(TSPLlama):
     (:class:`HFModelConfig`).
     """
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        tsp: TSPGroup | None = None,
-        *,
-        attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "full"] = "none",
-        token_chunk: int = 4096,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__(cfg, tsp, attention_kernel=attention_kernel, activation_checkpointing=activation_checkpointing,
-                         token_chunk=token_chunk, device=device, dtype=dtype)
-
     @property
     def hf_config(self) -> Any:
         return getattr(self.cfg, "hf_config", None)

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
@@ -40,6 +41,14 @@ class _AttnSpec:
     bias: bool = False  # q/k/v biases (Qwen2), sharded with their heads
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3), replicated weights [head_dim]
     eps: float = 1e-6
+    kv_bucket: int | None = None  # local KV heads gathered at once (head bucketing); None: all of them
+
+    def buckets(self) -> list[tuple[slice, slice]]:
+        """(KV-head slice, query-head slice) per bucket of the local head group."""
+        n = self.kv_bucket or self.n_kv_heads
+        g = self.n_heads // self.n_kv_heads
+        return [(slice(a, min(a + n, self.n_kv_heads)), slice(a * g, min(a + n, self.n_kv_heads) * g))
+                for a in range(0, self.n_kv_heads, n)]
 
 
 # ---- K/V exchange over the sequence (zigzag <-> natural order) -------------------------------------------
@@ -183,12 +192,21 @@ class BroadcastAttention(torch.autograd.Function):
             k_raw, k = project(w_k, 1, nkv)
             v = project(w_v, 2, nkv)[0]
             k = apply_rope(k, cos, sin)  # [B, nkv, L, d]
-            kv = KVGather(k, v, tsp)  # K/V exchange in flight while q is projected
+            buckets = spec.buckets()
+            kv = KVGather(k[:, buckets[0][0]], v[:, buckets[0][0]], tsp)  # in flight while q is projected
             q_raw, q = project(w_q, 0, nq)
             q = apply_rope(q, cos, sin)  # [B, nq, L, d]
-            k_full, v_full = kv.wait()  # [B, nkv, S, d]
-            o, lse = zigzag_attention(spec.kernel, q, k_full, v_full, tsp)
-            del k_full, v_full
+            outs, lses = [], []
+            for i, (kvs, qs) in enumerate(buckets):
+                k_full, v_full = kv.wait()  # [B, bucket, S, d]
+                if i + 1 < len(buckets):  # the next bucket's exchange overlaps this bucket's attention
+                    kv = KVGather(k[:, buckets[i + 1][0]], v[:, buckets[i + 1][0]], tsp)
+                o_b, lse_b = zigzag_attention(spec.kernel, q[:, qs], k_full, v_full, tsp)
+                outs.append(o_b)
+                lses.append(lse_b)
+                del k_full, v_full
+            o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+            lse = None if lses[0] is None else torch.cat(lses, dim=1)
             add_matmul_(y, _flat(o), w_o.T)
             saved += [q, k, v, o, lse] + ([q_raw, k_raw] if spec.qk_norm else [])
         ctx.spec, ctx.shapes, ctx.n_sharded = spec, shapes, n_sharded
@@ -213,13 +231,27 @@ class BroadcastAttention(torch.autograd.Function):
         for j, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
             w_q, w_k, w_v, w_o, *_ = unpack(buf, shapes)
             q, k, v, o, lse, *raw = saved[per_shard * j : per_shard * (j + 1)]
-            kv = KVGather(k, v, tsp)  # re-gathered (never saved), in flight during the output projection's grads
+            buckets = spec.buckets()
+            # re-gathered (never saved), in flight during the output projection's gradients
+            kv = KVGather(k[:, buckets[0][0]], v[:, buckets[0][0]], tsp)
             d_wo = dy2.T @ _flat(o)  # [h, nq*d]
             do = _heads(dy2 @ w_o, b, l, nq, hd)
-            k_full, v_full = kv.wait()
-            dq, dk_full, dv_full = zigzag_attention_backward(spec.kernel, do, q, k_full, v_full, o, lse, tsp)
-            del k_full, v_full
-            dk, dv = scatter_kv_grad(dk_full, dv_full, tsp)  # to the token owners, fp32
+            dq = torch.empty_like(q)
+            dks, dvs = [], []
+            for i, (kvs, qs) in enumerate(buckets):
+                k_full, v_full = kv.wait()
+                if i + 1 < len(buckets):
+                    kv = KVGather(k[:, buckets[i + 1][0]], v[:, buckets[i + 1][0]], tsp)
+                lse_b = None if lse is None else lse[:, qs]
+                dq[:, qs], dk_full, dv_full = zigzag_attention_backward(
+                    spec.kernel, do[:, qs], q[:, qs], k_full, v_full, o[:, qs], lse_b, tsp
+                )
+                del k_full, v_full
+                dk_b, dv_b = scatter_kv_grad(dk_full, dv_full, tsp)  # to the token owners, fp32
+                dks.append(dk_b)
+                dvs.append(dv_b)
+            dk = torch.cat(dks, dim=1) if len(dks) > 1 else dks[0]
+            dv = torch.cat(dvs, dim=1) if len(dvs) > 1 else dvs[0]
             dq, dk = apply_rope_backward(dq, cos, sin), apply_rope_backward(dk.to(x.dtype), cos, sin)
             if spec.qk_norm:
                 grads = []
@@ -255,10 +287,13 @@ class TSPAttention(nn.Module):
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, tsp: TSPGroup, kernel: str = "auto",
                  head_dim: int | None = None, bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
-                 device=None, dtype=None):
+                 kv_bucket_heads: int | None = None, device=None, dtype=None):
         super().__init__()
         d = tsp.size
         self.tsp, self.kernel_name, self.bias, self.qk_norm, self.norm_eps = tsp, kernel, bias, qk_norm, norm_eps
+        if kv_bucket_heads is not None and kv_bucket_heads < 1:
+            raise TSPConfigError(f"kv_bucket_heads={kv_bucket_heads}: give a positive number of KV heads or None")
+        self.kv_bucket_heads = kv_bucket_heads
         self.head_dim = head_dim or hidden_size // n_heads
         self.n_heads, self.n_kv_heads = n_heads // d, n_kv_heads // d  # local
         kw = dict(device=device, dtype=dtype)
@@ -275,7 +310,7 @@ class TSPAttention(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         kernel = select_attention_kernel(x.device, self.kernel_name, dtype)
         spec = _AttnSpec(self.tsp, self.n_heads, self.n_kv_heads, self.head_dim, kernel, self.bias, self.qk_norm,
-                         self.norm_eps)
+                         self.norm_eps, self.kv_bucket_heads)
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         params = [local_tensor(m.weight) for m in projections]
         if self.bias:

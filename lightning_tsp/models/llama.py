@@ -80,13 +80,14 @@ def get_config(preset: str, **overrides) -> ModelConfig:
 
 
 class TSPDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, kv_bucket_heads: int | None = None,
+                 device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
         self.self_attn = TSPAttention(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, tsp, attention_kernel,
                                       head_dim=cfg.head_dim, bias=cfg.attention_bias, qk_norm=cfg.qk_norm,
-                                      norm_eps=cfg.norm_eps, **kw)
+                                      norm_eps=cfg.norm_eps, kv_bucket_heads=kv_bucket_heads, **kw)
         self.post_attention_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
         self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
 
@@ -101,11 +102,14 @@ class TSPDecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, kv_bucket_heads: int | None,
+                 device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.embed_tokens = TSPEmbedding(cfg.vocab_size, cfg.hidden_size, tsp, **kw)
-        self.layers = nn.ModuleList(TSPDecoderLayer(cfg, tsp, attention_kernel, **kw) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            TSPDecoderLayer(cfg, tsp, attention_kernel, kv_bucket_heads, **kw) for _ in range(cfg.n_layers)
+        )
         self.norm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
 
 
@@ -125,6 +129,7 @@ class TSPLlama(nn.Module):
         attention_kernel: str = "auto",
         activation_checkpointing: Literal["none", "selective", "full"] = "none",
         token_chunk: int = 4096,
+        kv_bucket_heads: int | None = None,
         device=None,
         dtype=None,
     ):
@@ -138,9 +143,9 @@ class TSPLlama(nn.Module):
                 f"activation_checkpointing={activation_checkpointing!r}; choose one of {CHECKPOINTING_MODES}"
             )
         self.cfg, self.tsp, self.activation_checkpointing = cfg, tsp, activation_checkpointing
-        self.attention_kernel, self.token_chunk = attention_kernel, token_chunk
+        self.attention_kernel, self.token_chunk, self.kv_bucket_heads = attention_kernel, token_chunk, kv_bucket_heads
         kw = dict(device=device, dtype=dtype)
-        self.model = _Backbone(cfg, tsp, attention_kernel, **kw)
+        self.model = _Backbone(cfg, tsp, attention_kernel, kv_bucket_heads, **kw)
         self.lm_head = TSPLMHead(cfg.vocab_size, cfg.hidden_size, tsp, token_chunk, tied=cfg.tie_embeddings, **kw)
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
