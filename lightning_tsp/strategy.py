@@ -26,6 +26,7 @@ gives exactly the global token-mean loss.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -284,6 +285,7 @@ class TSPStrategy(ModelParallelStrategy):
         self.model_to_device()
         for module in modules:
             self._distribute_parameters(module)
+        self._install_gradient_hooks()
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
@@ -485,34 +487,68 @@ class TSPStrategy(ModelParallelStrategy):
         finally:
             self._grad_sync_blocked = previous
 
+    def _install_gradient_hooks(self) -> None:
+        """Bucket the trainable parameters in reverse order (about the order backward finishes them); a bucket's
+        data-parallel all-reduce starts as soon as its last gradient is accumulated, overlapping the rest of the
+        backward pass. Every replica has the same graph, so the buckets launch in the same order everywhere."""
+        self._grad_buckets: list[list[nn.Parameter]] = []
+        self._bucket_ready: list[int] = []
+        self._in_flight: dict[int, tuple[list[Tensor], Tensor, Any]] = {}
+        if self.data_parallel_size == 1:
+            return
+        assert self.model is not None
+        bucket: list[nn.Parameter] = []
+        size = 0
+        for p in reversed([p for p in self.model.parameters() if p.requires_grad]):
+            n = local_tensor(p).numel() * 4
+            if bucket and size + n > self._grad_bucket_bytes:
+                self._grad_buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append(p)
+            size += n
+        if bucket:
+            self._grad_buckets.append(bucket)
+        self._bucket_ready = [0] * len(self._grad_buckets)
+        for index, params in enumerate(self._grad_buckets):
+            for p in params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, index))
+
+    def _gradient_ready(self, index: int, _param: Tensor) -> None:
+        if self._grad_sync_blocked:  # a non-final micro-batch of gradient accumulation
+            return
+        self._bucket_ready[index] += 1
+        if self._bucket_ready[index] == len(self._grad_buckets[index]):
+            self._start_bucket(index)
+
+    @torch.no_grad()
+    def _start_bucket(self, index: int) -> None:
+        grads = [local_tensor(p.grad) for p in self._grad_buckets[index] if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        self._in_flight[index] = (grads, flat, work)
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average the local gradient shards over the data-parallel axis, in fp32 buckets (sum, then / dp)."""
+        """Average the local gradient shards over the data-parallel axis in fp32 (sum, then / dp): finish the
+        buckets started during backward, start those whose gradients did not all arrive, copy the results back."""
         dp = self.data_parallel_size
         if dp == 1:
             return
-        assert self.model is not None
-        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-        bucket: list[Tensor] = []
-        size = 0
-        for g in grads:
-            if bucket and (size + g.numel() * 4 > self._grad_bucket_bytes or g.device != bucket[0].device):
-                self._all_reduce_bucket(bucket, dp)
-                bucket, size = [], 0
-            bucket.append(g)
-            size += g.numel() * 4
-        if bucket:
-            self._all_reduce_bucket(bucket, dp)
-
-    def _all_reduce_bucket(self, grads: list[Tensor], dp: int) -> None:
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat.div_(dp)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
+        for index in range(len(self._grad_buckets)):
+            if index not in self._in_flight:
+                self._start_bucket(index)
+        for index in sorted(self._in_flight):
+            grads, flat, work = self._in_flight[index]
+            work.wait()
+            flat.div_(dp)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._in_flight.clear()
+        self._bucket_ready = [0] * len(self._grad_buckets)
 
     # ---- gradient clipping -----------------------------------------------------------------------------------
 
