@@ -28,7 +28,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.metrics import Perplexity
-from lightning_tsp.models.llama import ModelConfig, TSPLlama, get_config
+from lightning_tsp.models.llama import CHECKPOINTING_MODES, ModelConfig, TSPLlama, get_config
 from lightning_tsp.zigzag import IGNORE_INDEX
 
 
@@ -79,7 +79,7 @@ class TSPLanguageModel(LightningModule):
         overrides: Optional[dict[str, Any]] = None,
         config: Optional[ModelConfig] = None,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "full"] = "none",
+        activation_checkpointing: Literal["none", "selective", "full"] = "none",
         token_chunk: int = 4096,
         init_on_meta: bool = True,
         lr: float = 3e-4,
@@ -97,8 +97,10 @@ class TSPLanguageModel(LightningModule):
         if isinstance(config, dict):
             config = ModelConfig(**config)
         self.cfg: ModelConfig = config if config is not None else get_config(preset, **(overrides or {}))
-        if activation_checkpointing not in ("none", "full"):
-            raise TSPConfigError(f"activation_checkpointing={activation_checkpointing!r}: choose 'none' or 'full'")
+        if activation_checkpointing not in CHECKPOINTING_MODES:
+            raise TSPConfigError(
+                f"activation_checkpointing={activation_checkpointing!r}: choose one of {CHECKPOINTING_MODES}"
+            )
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise TSPConfigError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
         self.save_hyperparameters(ignore=["config"])
