@@ -1,0 +1,20 @@
+"""benchmarks/schedules.py runs (tiny sizes, CPU, fake process group) and prints its three rows; no timings
+are asserted."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_schedule_benchmark_prints_its_rows():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "schedules.py"), "--hidden", "64", "--heads", "4", "--kv-heads",
+         "4", "--ffn", "256", "--seq-len", "256", "--tsp-size", "4", "--reps", "1", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith(("| what", "| ---"))]
+    assert len(rows) == 3, out.stdout
+    assert all(float(r.rsplit("|", 2)[1]) > 0 for r in rows)
