@@ -27,17 +27,20 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
+def spawn_with_timeout(entry, entry_args: tuple, nprocs: int, timeout: float, what: str) -> None:
+    """``mp.start_processes(entry, entry_args)``; re-raise the first failure; kill every process past ``timeout``."""
+    ctx = mp.start_processes(entry, args=entry_args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{what} on {nprocs} processes did not finish within {timeout} s")
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; re-raise the first failure."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _entry, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish within {timeout} s")
+        entry_args = (world_size, os.path.join(tmp, "store"), fn, args)
+        spawn_with_timeout(_entry, entry_args, world_size, timeout, fn.__name__)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -18,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_tsp  # noqa: F401  (registers "tsp")
 from lightning_tsp import TSPConfigError, TSPGroup, TSPLlama
 from lightning_tsp.strategy import TSPStrategy
 from lightning_tsp.zigzag import IGNORE_INDEX, zigzag_positions
+from tests.dist_utils import spawn_with_timeout
 from tests.reference import assert_close
 from tests.test_equivalence import shapes_for
 
@@ -132,16 +131,7 @@ def _entry(local_rank: int, world_size: int, port: int, fn, args) -> None:
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 150.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; kill them all past ``timeout``."""
-    ctx = mp.start_processes(
-        _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish within {timeout} s")
+    spawn_with_timeout(_entry, (world_size, _free_port(), fn, args), world_size, timeout, fn.__name__)
 
 
 # ---- the distributed worker -----------------------------------------------------------------------------------
