@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--tsp-size", type=int, default=8)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    ap.add_argument("--checkpointing", default="full", choices=["none", "selective", "full"])
+    ap.add_argument("--checkpointing", default="full", choices=["none", "selective", "full", "offload"])
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
 

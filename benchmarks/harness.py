@@ -51,7 +51,7 @@ ANCHORS = {
 # every option that defines one configuration (forwarded to subprocesses and printed in each row's command)
 CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "world", "tp", "sp", "rank",
                "micro_batch", "precision", "checkpointing", "optimizer", "rmsnorm", "sdpa_backend", "attention_kernel",
-               "fsdp_precision", "steps", "warmup", "device")
+               "fsdp_precision", "kv_bucket_heads", "steps", "warmup", "device")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=0, help="the rank this GPU plays")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
-    ap.add_argument("--checkpointing", choices=("none", "full"), default="full")
+    ap.add_argument("--checkpointing", choices=("none", "selective", "full", "offload"), default="full",
+                    help="selective, offload: TSP only (keep attention and re-run norm + MLP ring; full with the "
+                         "layer inputs in pinned host memory)")
+    ap.add_argument("--kv-bucket-heads", type=int, help="TSP: KV heads gathered at once (head bucketing)")
     ap.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach",
                     help="AdamW implementation, fp32 states (foreach: torch's CUDA default; its sqrt temporary adds "
                          "4 B/param to the optimizer-step peak; fused does not)")
@@ -169,6 +172,16 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, oom_types) or "out of memory" in msg.lower() or "ALLOC_FAILED" in msg
 
 
+def make_setup(args, cfg, device: str):
+    from baselines.common import Setup
+
+    return Setup(cfg, args.strategy, args.world, args.rank, args.seq_len, args.micro_batch,
+                 tp=args.tp or 1, sp=args.sp or 1, checkpointing=args.checkpointing, device=device,
+                 autocast=args.precision == "bf16-mixed", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
+                 attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
+                 norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads)
+
+
 def measure(args) -> dict:
     """Build the strategy as rank ``args.rank`` of a fake group, run warm-up + timed steps; a raw row."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -179,7 +192,7 @@ def measure(args) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from baselines import build
-    from baselines.common import Setup, prime_optimizer
+    from baselines.common import prime_optimizer
 
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*deprecated")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -192,11 +205,7 @@ def measure(args) -> dict:
         torch.cuda.set_device(0)
         torch.cuda.reset_peak_memory_stats()
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
-    setup = Setup(cfg, args.strategy, args.world, args.rank, args.seq_len, args.micro_batch,
-                  tp=args.tp or 1, sp=args.sp or 1, checkpointing=args.checkpointing, device=device,
-                  autocast=args.precision == "bf16-mixed", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
-                  attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
-                  norm=args.rmsnorm)
+    setup = make_setup(args, cfg, device)
     times = []
     try:
         runner = build(setup)
@@ -242,7 +251,7 @@ def base_row(args, cfg) -> dict:
         "hidden": cfg.hidden_size, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.intermediate_size,
         "vocab": cfg.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "world": args.world,
         "tp": args.tp, "sp": args.sp, "rank": args.rank, "precision": args.precision,
-        "checkpointing": args.checkpointing, "optimizer": args.optimizer, "warmup": args.warmup,
+        "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads, "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
         "excluded": EXCLUDED, "command": shlex.join(single_command(args)), "status": "?",
     }

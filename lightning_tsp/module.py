@@ -79,7 +79,7 @@ class TSPLanguageModel(LightningModule):
         overrides: Optional[dict[str, Any]] = None,
         config: Optional[ModelConfig] = None,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "selective", "full"] = "none",
+        activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
         token_chunk: int = 4096,
         init_on_meta: bool = True,
         lr: float = 3e-4,

@@ -71,9 +71,10 @@ def run_and_capture(model: TSPLlama, ids, labels):
     return loss.detach(), full_grads(model), emb_grad
 
 
-def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10, **model_kwargs) -> None:
-    tag = f"D={world_tsp().size} heads={cfg.n_heads}/{cfg.n_kv_heads} tie={cfg.tie_embeddings} ckpt={checkpointing}"
-    ids, labels = batch(cfg, B, S)
+def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10, b: int = B, **model_kwargs) -> None:
+    tag = (f"D={world_tsp().size} heads={cfg.n_heads}/{cfg.n_kv_heads} tie={cfg.tie_embeddings} ckpt={checkpointing} "
+           f"B={b}")
+    ids, labels = batch(cfg, b, S)
     ref = TSPLlama(cfg, None, dtype=torch.float64)
     randomize_biases_and_norms(ref)
     model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float64, **model_kwargs)
@@ -135,6 +136,8 @@ def _worker(rank: int, world_size: int) -> None:
             check_case(shapes_for(world_size, gqa), checkpointing)
     check_case(shapes_for(world_size, True, tie=True), "none")
     check_case(shapes_for(world_size, True), "selective")
+    # layer inputs in host memory; batch 1 (the K/V exchange's in-place path, no transposing copy)
+    check_case(shapes_for(world_size, True), "offload", b=1)
     # head bucketing: the 2 local KV heads gathered one at a time
     bucketed = dataclasses.replace(shapes_for(world_size, True), n_heads=4 * world_size, n_kv_heads=2 * world_size,
                                    hidden_size=32 * world_size)

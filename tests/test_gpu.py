@@ -9,7 +9,8 @@ import torch
 from lightning_tsp import TSPLlama
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels import MathAttention, available_kernels, select_attention_kernel
-from lightning_tsp.layers.attention import zigzag_attention, zigzag_attention_backward
+from lightning_tsp.kernels.gemm import _fp32_epilogue_works, add_matmul_, matmul_into
+from lightning_tsp.layers.attention import gather_order, zigzag_attention, zigzag_attention_backward
 from lightning_tsp.models.llama import ModelConfig
 from lightning_tsp.zigzag import zigzag_shard
 
@@ -50,22 +51,42 @@ def test_zigzag_calls_match_cpu_math(name, hq, hkv):
     k = torch.randn(1, hkv, s, hd, generator=g).bfloat16()
     v = torch.randn(1, hkv, s, hd, generator=g).bfloat16()
     do = torch.randn(1, hq, s, hd, generator=g).bfloat16()
+    kg, vg = gather_order(k, d, 2), gather_order(v, d, 2)
     for p in (0, 3, 7):
         tsp = TSPGroup(None, p, d)
         q_loc, do_loc = zigzag_shard(q, d, p, dim=2), zigzag_shard(do, d, p, dim=2)
-        ref_o, ref_lse = zigzag_attention(MathAttention(), q_loc.double(), k.double(), v.double(), tsp)
-        ref_grads = zigzag_attention_backward(MathAttention(), do_loc.double(), q_loc.double(), k.double(),
-                                              v.double(), ref_o, ref_lse, tsp)
-        # the layer's q is a [B, L, H, d] buffer viewed as [B, H, L, d]: test that layout too
+        ref_o, ref_lse = zigzag_attention(MathAttention(), q_loc.double(), kg.double(), vg.double(), tsp)
+        ref_grads = zigzag_attention_backward(MathAttention(), do_loc.double(), q_loc.double(), kg.double(),
+                                              vg.double(), ref_o, ref_lse, tsp)
+        # the layer's layouts: q, o, dO are [B, L, H, d] buffers and K/V one [B, S, 2H, d] buffer (K heads then
+        # V heads), all viewed as [B, H, L, d]
         qc = q_loc.transpose(1, 2).contiguous().transpose(1, 2).cuda()
-        kc, vc, doc = (t.cuda() for t in (k, v, do_loc))
-        o, lse = zigzag_attention(kernel, qc, kc, vc, tsp)
+        doc = do_loc.transpose(1, 2).contiguous().transpose(1, 2).cuda()
+        kv = torch.cat([kg, vg], dim=1).transpose(1, 2).contiguous().cuda()  # [B, S, 2Hkv, d]
+        kc, vc = kv[:, :, :hkv].transpose(1, 2), kv[:, :, hkv:].transpose(1, 2)
+        o = torch.empty_like(qc.transpose(1, 2)).transpose(1, 2)
+        o, lse = zigzag_attention(kernel, qc, kc, vc, tsp, out=o)
         grads = zigzag_attention_backward(kernel, doc, qc, kc, vc, o, lse, tsp)
         assert rel_err(o, ref_o) < 1e-2, (name, p)
         if lse is not None:
             assert rel_err(lse, ref_lse) < 1e-3, (name, p)
         for what, gr, rr in zip(("dq", "dk", "dv"), grads, ref_grads):
             assert rel_err(gr, rr) < 2e-2, (name, p, what)
+
+
+def test_fp32_epilogue_gemms():
+    """bf16 operands, fp32 accumulator: cuBLAS's fp32 epilogue is used and adds the unrounded product."""
+    assert _fp32_epilogue_works(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+    b = torch.randn(256, 384, device="cuda", generator=g).bfloat16()
+    ref = a.double() @ b.double()
+    acc = torch.full((512, 384), 3.0, device="cuda")
+    add_matmul_(acc, a, b)
+    assert rel_err(acc, ref + 3) < 1e-6
+    buf = torch.zeros(2 * 512 * 384, device="cuda")
+    matmul_into(buf[512 * 384 :].view(512, 384), a, b)
+    assert rel_err(buf[512 * 384 :].view(512, 384), ref) < 1e-6 and buf[: 512 * 384].abs().max() == 0
 
 
 @pytest.mark.parametrize("name", CUDA_KERNELS)

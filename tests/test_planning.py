@@ -99,9 +99,10 @@ def test_tsp_layer_collectives_tiny_by_hand():
                              "reduce_scatter_tensor": 2 * kv * 4, "reduce": 2 * attn * 4,
                              "all_reduce": 2 * 64 * 4, "send": mlp * w + mlp * 4}
     c = tsp_layer_collectives(TINY, 1, 8, 2, w, what="calls")
-    assert c["forward"] == {"broadcast": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 0,
+    # one K/V all-gather (forward) / reduce-scatter (backward) per owner and zigzag half
+    assert c["forward"] == {"broadcast": 2, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 0,
                             "reduce": 0, "all_reduce": 0, "send": 1}
-    assert c["backward"] == {"broadcast": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2,
+    assert c["backward"] == {"broadcast": 2, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4,
                              "reduce": 2, "all_reduce": 2, "send": 2}
     # full checkpointing: one more forward's worth inside backward; selective: the MLP ring's sends again
     full = tsp_layer_collectives(TINY, 1, 8, 2, w, checkpointing="full")

@@ -34,6 +34,7 @@ class Setup:
     sdpa_backend: str = "auto"  # square causal SDPA (TP, TP-SP): auto | cudnn | flash | default
     attention_kernel: str = "auto"  # zigzag calls (SP, TPxSP, FSDP+CP, TSP): lightning_tsp kernel name
     fsdp_precision: str = "policy"  # fsdp_cp: FSDP2 MixedPrecisionPolicy(bf16, fp32) | autocast
+    kv_bucket_heads: int | None = None  # tsp: KV heads gathered at once (head bucketing)
     seed: int = 0
 
 

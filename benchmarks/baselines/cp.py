@@ -48,6 +48,13 @@ class _GatherZigzagSeq(torch.autograd.Function):
         return out.permute(1, 2, 0, 3), None
 
 
+def _own_and_prefix(k: Tensor, v: Tensor, g: int, c: int):
+    """Natural-order K/V -> ((own chunk g's k, v), (prefix k, v) or (None, None)): the kernels' call form."""
+    n = (g + 1) * c
+    own = (k[:, :, n - c:n], v[:, :, n - c:n])
+    return own, ((k[:, :, :n - c], v[:, :, :n - c]) if g > 0 else (None, None))
+
+
 class _ZigzagAttention(torch.autograd.Function):
     """Local zigzag queries q [B, H, 2c, d] against the full K/V [B, Hkv, S, d]: chunk g attends keys
     [0, (g+1)c) bottom-right causal. Saves q, k, v and the outputs/log-sum-exps (no S x S scores)."""
@@ -57,7 +64,8 @@ class _ZigzagAttention(torch.autograd.Function):
         c = q.shape[2] // 2
         outs, lses = [], []
         for i, g in enumerate((rank, 2 * size - 1 - rank)):
-            o, lse = kernel.forward(q[:, :, i * c:(i + 1) * c], k[:, :, :(g + 1) * c], v[:, :, :(g + 1) * c])
+            own, pre = _own_and_prefix(k, v, g, c)
+            o, lse = kernel.forward(q[:, :, i * c:(i + 1) * c], *own, *pre)
             outs.append(o)
             lses.append(lse)
         o = torch.cat(outs, dim=2)
@@ -75,11 +83,15 @@ class _ZigzagAttention(torch.autograd.Function):
         for i, (g, o) in enumerate(zip((ctx.rank, 2 * ctx.size - 1 - ctx.rank), (o0, o1))):
             n = (g + 1) * c
             lse = lses[i] if ctx.has_lse else None
-            dqi, dki, dvi = ctx.kernel.backward(do[:, :, i * c:(i + 1) * c], q[:, :, i * c:(i + 1) * c],
-                                                k[:, :, :n], v[:, :, :n], o, lse)
+            own, pre = _own_and_prefix(k, v, g, c)
+            dqi, dko, dvo, dkp, dvp = ctx.kernel.backward(do[:, :, i * c:(i + 1) * c], q[:, :, i * c:(i + 1) * c],
+                                                          *own, *pre, o, lse)
             dq[:, :, i * c:(i + 1) * c] = dqi
-            dk[:, :, :n] += dki
-            dv[:, :, :n] += dvi
+            dk[:, :, n - c:n] += dko
+            dv[:, :, n - c:n] += dvo
+            if dkp is not None:
+                dk[:, :, :n - c] += dkp
+                dv[:, :, :n - c] += dvp
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

@@ -217,7 +217,7 @@ class TSPCausalLM(TSPLlama):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "selective", "full"] = "none",
+        activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
         token_chunk: int = 4096,
     ) -> "TSPCausalLM":
         """Build from a LOCAL Hugging Face directory (config.json + *.safetensors), reading only this rank's slices.

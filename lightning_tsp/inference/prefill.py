@@ -22,20 +22,12 @@ from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_reduce_
 from lightning_tsp.inference.vocab import acc_dtype
 from lightning_tsp.kernels.attention import select_attention_kernel
-from lightning_tsp.layers.attention import gather_kv, zigzag_attention
+from lightning_tsp.kernels.gemm import add_matmul_
+from lightning_tsp.layers.attention import KVGather, _AttnSpec, attend, kv_blocks, project_qkv
 from lightning_tsp.layers.rope import apply_rope, rope_cos_sin
 from lightning_tsp.schedules.broadcast import broadcast_shards
-from lightning_tsp.schedules.comm import add_matmul_, local_tensor, pack, unpack
+from lightning_tsp.schedules.comm import local_tensor, pack, unpack
 from lightning_tsp.zigzag import zigzag_positions, zigzag_shard
-
-
-def _heads(t2d: Tensor, b: int, l: int, n: int, d: int) -> Tensor:
-    return t2d.view(b, l, n, d).transpose(1, 2)  # [B*L, n*d] -> [B, n, L, d]
-
-
-def _flat(t: Tensor) -> Tensor:
-    b, n, l, d = t.shape
-    return t.transpose(1, 2).reshape(b * l, n * d)
 
 
 def attention_prefill(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -43,22 +35,25 @@ def attention_prefill(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor
     ``k_cache``/``v_cache`` [B, n_kv, >=L, d] (slots 0..L-1). Returns the attention output [B, L, h]."""
     tsp, nq, nkv, hd = attn.tsp, attn.n_heads, attn.n_kv_heads, attn.head_dim
     kernel = select_attention_kernel(x.device, attn.kernel_name, x.dtype)
+    spec = _AttnSpec(tsp, nq, nkv, hd, kernel, kv_bucket=attn.kv_bucket_heads)
     b, l, h = x.shape
     x2 = x.reshape(b * l, h)
     w = [local_tensor(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
     shapes = [t.shape for t in w]
+    cos4, sin4 = cos[:, None], sin[:, None]
     y = torch.zeros(b * l, h, dtype=acc_dtype(x.dtype), device=x.device)
     for j, buf in broadcast_shards(tsp, pack(w, x.dtype)):
-        w_q, w_k, w_v, w_o = unpack(buf, shapes)
-        q = apply_rope(_heads(x2 @ w_q.T, b, l, nq, hd), cos, sin)
-        k = apply_rope(_heads(x2 @ w_k.T, b, l, nkv, hd), cos, sin)
-        v = _heads(x2 @ w_v.T, b, l, nkv, hd)
-        k_cache[:, j * nkv : (j + 1) * nkv, :l] = k
-        v_cache[:, j * nkv : (j + 1) * nkv, :l] = v
-        k_full, v_full = gather_kv(k, v, tsp)
-        o, _ = zigzag_attention(kernel, q, k_full, v_full, tsp)
-        del k_full, v_full
-        add_matmul_(y, _flat(o), w_o.T)
+        w_o = unpack(buf, shapes)[3]
+        _, _, q, k, v = project_qkv(spec, x2, buf, shapes, [], b, l)
+        blocks = kv_blocks(spec, k, v, cos4, sin4)
+        first = KVGather(blocks[0], tsp)
+        for (kvs, _), blk in zip(spec.buckets(), blocks):
+            n = kvs.stop - kvs.start
+            heads = slice(j * nkv + kvs.start, j * nkv + kvs.stop)
+            k_cache[:, heads, :l] = blk[:, :, :n].transpose(1, 2)
+            v_cache[:, heads, :l] = blk[:, :, n:].transpose(1, 2)
+        o, _ = attend(spec, apply_rope(q, cos4, sin4), blocks, first, want_lse=False)
+        add_matmul_(y, o.view(b * l, nq * hd), w_o.T)
     return y.view(b, l, h).to(x.dtype)
 
 

@@ -4,9 +4,11 @@ Every call is "a block of Lq queries against a K/V prefix of Lk >= Lq keys, caus
 query i may see keys j <= i + (Lk - Lq). Layout: q [B, Hq, Lq, d], k/v [B, Hkv, Lk, d], Hq a multiple of Hkv
 (GQA: K/V are never expanded before communication; a backend may expand them locally).
 
-``forward`` runs without autograd and returns ``(o, lse)`` (lse [B, Hq, Lq] in fp32, or None when the backend
-does not expose it). ``backward`` returns ``(dq, dk, dv)``; the default recomputes the forward under autograd
-(kernels without a public backward entry point), the math backend uses the saved log-sum-exp.
+Each call is given as the query block, its own chunk's K/V (square causal) and the fully visible prefix K/V
+(see :class:`AttentionKernel`). ``forward`` runs without autograd and returns ``(o, lse)`` (lse [B, Hq, Lq] in
+fp32, or None when the backend does not expose it). ``backward`` returns ``(dq, dk_own, dv_own, dk_pre,
+dv_pre)``; the default recomputes the forward under autograd (kernels without a public backward entry point),
+the math and cuDNN backends use the saved log-sum-exp.
 """
 
 from __future__ import annotations
@@ -32,23 +34,45 @@ def _lower_right_mask(lq: int, lk: int, device) -> Tensor:
 
 
 class AttentionKernel:
+    """One zigzag call: a block of queries q [B, Hq, Lq, d] against its OWN chunk's keys k_own/v_own [B, Hkv, Lq, d]
+    (the square causal block on the diagonal) and, optionally, a PREFIX of earlier keys k_pre/v_pre
+    [B, Hkv, Lp, d] that every query sees in full. The prefix may be in any order (it is not masked); that is
+    what lets the layer pass slices of the gathered K/V buffer without reordering them. Tensors may be strided
+    views (e.g. [B, L, H, d] memory); the math is bottom-right causal attention over cat(prefix, own)."""
+
     name = "base"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+    def forward(self, q, k_own, v_own, k_pre=None, v_pre=None) -> tuple[Tensor, Tensor | None]:
         with torch.no_grad():
-            return self.differentiable(q, k, v)
+            return self.differentiable(q, k_own, v_own, k_pre, v_pre)
 
-    def differentiable(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None) -> tuple[Tensor, Tensor | None]:
+        return self.bottom_right(q, _cat_keys(k_pre, k_own), _cat_keys(v_pre, v_own))
+
+    def bottom_right(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        """q [B, Hq, Lq, d] against k/v [B, Hkv, Lk, d], Lk >= Lq, causal mask aligned bottom-right."""
         raise NotImplementedError
 
-    def backward(self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor | None):
+    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse):
+        """(dq, dk_own, dv_own, dk_pre, dv_pre); the prefix gradients are None without a prefix. The default
+        differentiates the forward again (kernels without a public backward entry point)."""
         with torch.enable_grad():
-            q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
-            out, _ = self.differentiable(q_, k_, v_)
-            return torch.autograd.grad(out, (q_, k_, v_), do)
+            leaves = [t.detach().requires_grad_(True) for t in (q, k_own, v_own) + ((k_pre, v_pre) if k_pre is not None else ())]
+            out, _ = self.differentiable(*leaves)
+            grads = torch.autograd.grad(out, leaves, do)
+        return tuple(grads) + ((None, None) if k_pre is None else ())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _cat_keys(pre: Tensor | None, own: Tensor) -> Tensor:
+    return own if pre is None else torch.cat([pre, own], dim=2)
+
+
+def _split_keys(dk: Tensor, n_pre: int) -> tuple[Tensor, Tensor | None]:
+    """Gradient of cat(prefix, own) -> (own part, prefix part or None)."""
+    return (dk, None) if n_pre == 0 else (dk[:, :, n_pre:], dk[:, :, :n_pre])
 
 
 class MathAttention(AttentionKernel):
@@ -61,12 +85,12 @@ class MathAttention(AttentionKernel):
         b, hq, lq, d = q.shape
         hkv, lk = k.shape[1], k.shape[2]
         dt = torch.promote_types(q.dtype, torch.float32)
-        qg = q.to(dt).view(b, hkv, hq // hkv, lq, d)  # [B, Hkv, g, Lq, d]
+        qg = q.to(dt).reshape(b, hkv, hq // hkv, lq, d)  # [B, Hkv, g, Lq, d]
         s = (qg @ k.to(dt).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [B, Hkv, g, Lq, Lk]
         s = s.masked_fill(~_lower_right_mask(lq, lk, q.device), float("-inf"))
         return qg, s
 
-    def differentiable(self, q, k, v):
+    def bottom_right(self, q, k, v):
         b, hq, lq, d = q.shape
         _, s = self._scores(q, k)
         lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, g, Lq]
@@ -74,21 +98,24 @@ class MathAttention(AttentionKernel):
         o = p @ v.to(p.dtype).unsqueeze(2)  # [B, Hkv, g, Lq, d]
         return o.reshape(b, hq, lq, d).to(q.dtype), lse.reshape(b, hq, lq)
 
-    def backward(self, do, q, k, v, o, lse):
+    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse):
+        k, v = _cat_keys(k_pre, k_own), _cat_keys(v_pre, v_own)
         b, hq, lq, d = q.shape
         hkv = k.shape[1]
         qg, s = self._scores(q, k)
         dt = s.dtype
-        p = torch.exp(s - lse.view(b, hkv, hq // hkv, lq, 1).to(dt))
-        dog = do.to(dt).view(b, hkv, hq // hkv, lq, d)
-        og = o.to(dt).view_as(dog)
+        p = torch.exp(s - lse.reshape(b, hkv, hq // hkv, lq, 1).to(dt))
+        dog = do.to(dt).reshape(b, hkv, hq // hkv, lq, d)
+        og = o.to(dt).reshape(dog.shape)
         vv = v.to(dt).unsqueeze(2)
         dv = (p.transpose(-1, -2) @ dog).sum(2)  # [B, Hkv, Lk, d]
         dp = dog @ vv.transpose(-1, -2)
         ds = p * (dp - (dog * og).sum(-1, keepdim=True)) * (1.0 / math.sqrt(d))
         dq = ds @ k.to(dt).unsqueeze(2)
         dk = (ds.transpose(-1, -2) @ qg).sum(2)
-        return dq.reshape(b, hq, lq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        n_pre = 0 if k_pre is None else k_pre.shape[2]
+        (dk_own, dk_pre), (dv_own, dv_pre) = _split_keys(dk.to(k.dtype), n_pre), _split_keys(dv.to(v.dtype), n_pre)
+        return dq.reshape(b, hq, lq, d).to(q.dtype), dk_own, dv_own, dk_pre, dv_pre
 
 
 class SDPAAttention(AttentionKernel):
@@ -99,7 +126,7 @@ class SDPAAttention(AttentionKernel):
 
     name = "sdpa"
 
-    def differentiable(self, q, k, v):
+    def bottom_right(self, q, k, v):
         lq, lk = q.shape[2], k.shape[2]
         hq = q.shape[1]
         if q.is_cuda:
@@ -118,68 +145,85 @@ class SDPAAttention(AttentionKernel):
 def _cudnn_attention(q, k, v, is_causal: bool):
     """cuDNN SDPA returning (out, lse [B, H, L] fp32). Private ATen op: availability is probed once."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False)
-    o, lse = out[0], out[1]
-    return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2]).float()
+    return out[0], out[1].reshape(q.shape[0], q.shape[1], q.shape[2]).float()
 
 
-def _cudnn_attention_backward(do, q, k, v, o, lse, is_causal: bool):
+def _cudnn_attention_backward(do, q, k, v, o, lse4, is_causal: bool):
     """cuDNN SDPA backward of one piece, given the FINAL (merged) output and log-sum-exp.
 
     With the merged o and lse, P = exp(S - lse) is the piece's block of the global softmax and
     rowsum(dO * O) the global correction term, so each piece's backward yields its exact share of the
     gradient (the same identity a flash-attention backward relies on). No dropout: seed/offset unused.
+    PyTorch caches cuDNN graphs by the q/k/v shapes and strides only, so o and dO must always come in the
+    layout q's implies: the layer passes q, o and dO as views of identically shaped [B, L, H, d] buffers.
     """
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    lse4 = lse.unsqueeze(-1).contiguous()  # the op's own layout: [B, H, Lq, 1]
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do, q, k, v, o, lse4, zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, is_causal
     )
 
 
+def _with_strides_of(t: Tensor, ref: Tensor) -> Tensor:
+    """``t`` with exactly ``ref``'s strides (copied only if they differ). PyTorch caches cuDNN's backward graph
+    by the q/k/v shapes and strides alone, with o's and dO's strides baked in: they must follow q's."""
+    if t.stride() == ref.stride():
+        return t
+    out = torch.empty_strided(ref.size(), ref.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _expand_heads(k: Tensor, n_heads: int) -> Tensor:
+    """GQA: repeat each KV head for its query heads, keeping the [B, L, H, d] memory order of the layer."""
+    b, hkv, l, d = k.shape
+    g = n_heads // hkv
+    if g == 1:
+        return k
+    return k.transpose(1, 2).unsqueeze(3).expand(b, l, hkv, g, d).reshape(b, l, n_heads, d).transpose(1, 2)
+
+
 def _sum_kv_groups(t: Tensor, n_kv: int) -> Tensor:
     """Gradient of expanded K/V heads [B, Hq, L, d] -> [B, Hkv, L, d] (sum over each GQA group)."""
     b, hq, l, d = t.shape
-    return t if hq == n_kv else t.view(b, n_kv, hq // n_kv, l, d).sum(2)
+    return t if hq == n_kv else t.unflatten(1, (n_kv, hq // n_kv)).sum(2)
 
 
 class CudnnSplitAttention(AttentionKernel):
-    """Hopper fast path: prefix part non-causal + own-chunk part square causal, both on cuDNN, one fp32 merge.
-
-    For a block of Lq queries against Lk keys the first Lk - Lq keys are fully visible (non-causal call) and the
-    last Lq keys form a square causal block. The two partial results are merged once with their log-sum-exps
-    in fp32 (not a ring-style chain of merges). Backward calls cuDNN's backward per piece with the merged
-    output and log-sum-exp (no forward recompute).
-    """
+    """Hopper fast path: the own chunk as a square causal call, the prefix as a non-causal call, both on cuDNN,
+    merged once with their log-sum-exps in fp32 (not a ring-style chain of merges). Backward calls cuDNN's
+    backward per piece with the merged output and log-sum-exp (no forward recompute). Strided views of the
+    layer's [B, L, H, d] buffers go to cuDNN as they are (no copies)."""
 
     name = "cudnn-split"
 
-    def differentiable(self, q, k, v):
-        lq, lk, hq = q.shape[2], k.shape[2], q.shape[1]
-        # cuDNN's backward needs q, k, v, o and dO in one layout: make them all [B, H, L, d]-contiguous
-        q, k, v = q.contiguous(), _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
-        own_o, own_lse = _cudnn_attention(q, k[:, :, lk - lq :], v[:, :, lk - lq :], True)
-        if lk == lq:
+    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None):
+        hq = q.shape[1]
+        own_o, own_lse = _cudnn_attention(q, _expand_heads(k_own, hq), _expand_heads(v_own, hq), True)
+        if k_pre is None:
             return own_o, own_lse
-        pre_o, pre_lse = _cudnn_attention(q, k[:, :, : lk - lq], v[:, :, : lk - lq], False)
+        pre_o, pre_lse = _cudnn_attention(q, _expand_heads(k_pre, hq), _expand_heads(v_pre, hq), False)
         lse = torch.logaddexp(own_lse, pre_lse)
         o = own_o.float() * torch.exp(own_lse - lse).unsqueeze(-1) + pre_o.float() * torch.exp(pre_lse - lse).unsqueeze(-1)
         return o.to(q.dtype), lse
 
-    def backward(self, do, q, k, v, o, lse):
-        lq, lk, hq, hkv = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
-        q, do, o = q.contiguous(), do.contiguous(), o.contiguous()
-        ke, ve = _expand_kv(k, hq).contiguous(), _expand_kv(v, hq).contiguous()
+    def bottom_right(self, q, k, v):
+        lq, lk = q.shape[2], k.shape[2]
+        pre = (k[:, :, : lk - lq], v[:, :, : lk - lq]) if lk > lq else (None, None)
+        return self.differentiable(q, k[:, :, lk - lq :], v[:, :, lk - lq :], *pre)
+
+    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse):
+        hq, hkv = q.shape[1], k_own.shape[1]
+        o, do = _with_strides_of(o, q), _with_strides_of(do, q)
+        lse4 = lse.unsqueeze(-1).contiguous()  # the op's own layout: [B, H, Lq, 1]
         dq, dk_own, dv_own = _cudnn_attention_backward(
-            do, q, ke[:, :, lk - lq :], ve[:, :, lk - lq :], o, lse, True
+            do, q, _expand_heads(k_own, hq), _expand_heads(v_own, hq), o, lse4, True
         )
-        if lk == lq:
-            return dq, _sum_kv_groups(dk_own, hkv), _sum_kv_groups(dv_own, hkv)
+        dk_own, dv_own = _sum_kv_groups(dk_own, hkv), _sum_kv_groups(dv_own, hkv)
+        if k_pre is None:
+            return dq, dk_own, dv_own, None, None
         dq_pre, dk_pre, dv_pre = _cudnn_attention_backward(
-            do, q, ke[:, :, : lk - lq], ve[:, :, : lk - lq], o, lse, False
+            do, q, _expand_heads(k_pre, hq), _expand_heads(v_pre, hq), o, lse4, False
         )
-        dk = torch.cat([dk_pre, dk_own], dim=2)
-        dv = torch.cat([dv_pre, dv_own], dim=2)
-        return dq + dq_pre, _sum_kv_groups(dk, hkv), _sum_kv_groups(dv, hkv)
+        return dq + dq_pre, dk_own, dv_own, _sum_kv_groups(dk_pre, hkv), _sum_kv_groups(dv_pre, hkv)
 
 
 class FlashAttention(AttentionKernel):
@@ -187,7 +231,7 @@ class FlashAttention(AttentionKernel):
 
     name = "flash-attn"
 
-    def differentiable(self, q, k, v):
+    def bottom_right(self, q, k, v):
         from flash_attn import flash_attn_func
 
         o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)

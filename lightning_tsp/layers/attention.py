@@ -9,6 +9,7 @@ token owners and reduces the weight-gradient partials onto owner j in fp32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,8 @@ from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
 from lightning_tsp.schedules.broadcast import broadcast_shards, reduce_to_owner
+from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
 from lightning_tsp.schedules.comm import (
-    add_matmul_,
     all_gather,
     all_reduce_sum,
     local_tensor,
@@ -51,107 +52,157 @@ class _AttnSpec:
                 for a in range(0, self.n_kv_heads, n)]
 
 
-# ---- K/V exchange over the sequence (zigzag <-> natural order) -------------------------------------------
+# ---- K/V exchange over the sequence ------------------------------------------------------------------------
+#
+# The gathered K/V buffer [B, S, n, d] holds the 2D chunks of the sequence in GATHER ORDER: every rank's second
+# chunk (ranks 0..D-1, i.e. natural chunks 2D-1 .. D), then every rank's first chunk (natural chunks 0..D-1).
+# One all-gather per half writes it in place, no reordering; rank p's two zigzag calls then find their keys as
+# contiguous slices: chunk p (queries 0..c) owns slot D+p and sees slots D..D+p-1 before it; chunk 2D-1-p
+# (queries c..2c) owns slot p and sees slots p+1..2D-1. Keys outside a call's own chunk are fully visible, so
+# their order does not matter. dK/dV go back the same way: one reduce-scatter per half.
+
+
+def gather_slots(d: int) -> list[int]:
+    """The natural chunk index held by each slot of the gathered buffer."""
+    return [2 * d - 1 - r for r in range(d)] + list(range(d))
+
+
+def gather_order(t: Tensor, d: int, dim: int) -> Tensor:
+    """A full natural-order tensor -> gather order along ``dim`` (for tests and references)."""
+    if d == 1:
+        return t
+    chunks = t.chunk(2 * d, dim=dim)
+    return torch.cat([chunks[i] for i in gather_slots(d)], dim=dim)
+
+
+def zigzag_calls(l: int, tsp: TSPGroup) -> list[tuple[slice, slice, slice | None]]:
+    """(query rows of the local block, own-chunk key rows, prefix key rows or None) for this rank's calls, over a
+    gathered buffer in gather order. The call with the larger key range comes first."""
+    if tsp.size == 1:
+        return [(slice(0, l), slice(0, l), None)]
+    c, d, p = l // 2, tsp.size, tsp.rank
+    prefix_first = slice((d * c), (d + p) * c) if p > 0 else None
+    return [(slice(c, 2 * c), slice(p * c, (p + 1) * c), slice((p + 1) * c, 2 * d * c)),
+            (slice(0, c), slice((d + p) * c, (d + p + 1) * c), prefix_first)]
 
 
 class KVGather:
-    """All-gather of local k, v [B, Hkv, 2c, d] (zigzag chunks p, 2D-1-p) over the sequence, in flight until
-    :meth:`wait` returns the full-sequence k, v [B, Hkv, S, d] in natural order. Starting it before other local
+    """All-gather of a local K/V block [B, L, n, d] (this rank's zigzag chunks, K heads then V heads) into the
+    gathered buffer [B, S, n, d] in gather order, in flight until :meth:`wait`. Starting it before other local
     work (the q projection, the output-projection gradient) overlaps the exchange with that work."""
 
-    def __init__(self, k: Tensor, v: Tensor, tsp: TSPGroup):
-        self.k, self.v, self.tsp = k, v, tsp
-        if tsp.size > 1:
-            send = torch.stack([k, v])  # [2, B, Hkv, 2c, d]
-            self.out = torch.empty(tsp.size * send.numel(), dtype=send.dtype, device=send.device)
-            self.work = all_gather(self.out, send.view(-1), tsp, async_op=True)
-
-    def wait(self) -> tuple[Tensor, Tensor]:
-        d = self.tsp.size
+    def __init__(self, kv: Tensor, tsp: TSPGroup):
+        self.kv, self.tsp = kv, tsp
+        d = tsp.size
         if d == 1:
-            return self.k, self.v
-        self.work.wait()
-        b, h, l, hd = self.k.shape
-        out = self.out.view(d, 2, b, h, 2, l // 2, hd)
-        # first chunks arrive as 0..D-1, second chunks as 2D-1..D: reverse those
-        natural = torch.cat([out[:, :, :, :, 0], out[:, :, :, :, 1].flip(0)], dim=0)  # [2D, 2, B, Hkv, c, d]
-        natural = natural.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, d * l, hd)
-        return natural[0], natural[1]
+            return
+        b, l, n, hd = kv.shape
+        c = l // 2
+        self.out = kv.new_empty(b, 2 * d * c, n, hd)
+        halves = (kv[:, c:], kv[:, :c])  # second chunks fill slots 0..D-1, first chunks slots D..2D-1
+        if b == 1:  # the output regions are laid out exactly as the all-gather writes them
+            self.recv = [self.out[:, : d * c], self.out[:, d * c :]]
+        else:  # [D, B, c, n, d] per half, transposed into place in wait()
+            self.recv = [kv.new_empty(d, b, c, n, hd) for _ in range(2)]
+        self.works = [all_gather(r.view(-1), h.reshape(-1), tsp, async_op=True) for r, h in zip(self.recv, halves)]
+
+    def wait(self) -> Tensor:
+        if self.tsp.size == 1:
+            return self.kv
+        for w in self.works:
+            w.wait()
+        b = self.kv.shape[0]
+        if b > 1:
+            half = self.out.shape[1] // 2
+            for i, r in enumerate(self.recv):
+                self.out[:, i * half : (i + 1) * half] = r.transpose(0, 1).flatten(1, 2)
+        return self.out
 
 
-def gather_kv(k: Tensor, v: Tensor, tsp: TSPGroup) -> tuple[Tensor, Tensor]:
-    """Local k, v [B, Hkv, 2c, d] -> full-sequence k, v [B, Hkv, S, d], natural order (blocking)."""
-    return KVGather(k, v, tsp).wait()
-
-
-def scatter_kv_grad(dk: Tensor, dv: Tensor, tsp: TSPGroup) -> tuple[Tensor, Tensor]:
-    """Full-sequence dK, dV [B, Hkv, S, d] (natural order, fp32) -> summed over the group, this rank's tokens."""
+def scatter_kv_grad(dkv: Tensor, tsp: TSPGroup) -> Tensor:
+    """Gathered dK/dV [B, S, n, d] (gather order, fp32) -> summed over the group, this rank's rows [B, L, n, d]."""
     d = tsp.size
     if d == 1:
-        return dk, dv
-    b, h, s, hd = dk.shape
+        return dkv
+    b, s, n, hd = dkv.shape
     c = s // (2 * d)
-    g = torch.stack([dk, dv]).view(2, b, h, 2 * d, c, hd)
-    per_rank = torch.stack([g[:, :, :, :d], g[:, :, :, d:].flip(3)], dim=4)  # [2, B, Hkv, D, 2, c, d]
-    send = per_rank.permute(3, 0, 1, 2, 4, 5, 6).contiguous()  # [D, 2, B, Hkv, 2, c, d]
-    out = torch.empty(send[0].numel(), dtype=send.dtype, device=send.device)
-    reduce_scatter(out, send.view(-1), tsp)
-    out = out.view(2, b, h, 2 * c, hd)
-    return out[0], out[1]
+    out = dkv.new_empty(b, 2 * c, n, hd)
+    for i, rows in enumerate((slice(c, 2 * c), slice(0, c))):  # slots 0..D-1: second chunks; D..2D-1: first
+        region = dkv[:, i * d * c : (i + 1) * d * c]
+        if b == 1:
+            reduce_scatter(out[:, rows].view(-1), region.reshape(-1), tsp)
+        else:
+            recv = dkv.new_empty(b, c, n, hd)
+            reduce_scatter(recv.view(-1), region.unflatten(1, (d, c)).transpose(0, 1).reshape(-1), tsp)
+            out[:, rows] = recv
+    return out
 
 
-# ---- the zigzag attention calls -------------------------------------------------------------------------
+# ---- the zigzag attention calls -----------------------------------------------------------------------------
 
 
-def _chunk_calls(s: int, tsp: TSPGroup):
-    """(query slice, key-prefix length) for this rank's two chunks; one call when D == 1."""
-    if tsp.size == 1:
-        return [(slice(0, s), s)]
-    c = s // (2 * tsp.size)
-    p = tsp.rank
-    return [(slice(0, c), (p + 1) * c), (slice(c, 2 * c), (2 * tsp.size - p) * c)]
+def zigzag_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, tsp: TSPGroup,
+                     out: Tensor | None = None, lse_out: Tensor | None = None):
+    """Local queries q [B, Hq, L, d] against gathered k, v [B, Hkv, S, d] (gather order): one kernel call per
+    local chunk. Writes o into ``out`` (default: like q) and the log-sum-exp into ``lse_out`` [B, Hq, L]
+    (default: new) when the kernel returns one; returns (o, lse or None)."""
+    o = torch.empty_like(q) if out is None else out
+    lse, got_lse = lse_out, False
+    for rows, own, pre in zigzag_calls(q.shape[2], tsp):
+        o_c, lse_c = kernel.forward(q[:, :, rows], k[:, :, own], v[:, :, own],
+                                    None if pre is None else k[:, :, pre], None if pre is None else v[:, :, pre])
+        o[:, :, rows] = o_c
+        if lse_c is not None:
+            if lse is None:
+                lse = torch.empty(q.shape[:3], dtype=lse_c.dtype, device=q.device)
+            lse[:, :, rows] = lse_c
+            got_lse = True
+    return o, lse if got_lse else None
 
 
-def zigzag_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, tsp: TSPGroup):
-    """Local queries q [B, Hq, 2c, d] against full K/V [B, Hkv, S, d]: one call per local chunk."""
-    outs, lses = [], []
-    for qs, kv_len in _chunk_calls(k.shape[2], tsp):
-        o, lse = kernel.forward(q[:, :, qs], k[:, :, :kv_len], v[:, :, :kv_len])
-        outs.append(o)
-        lses.append(lse)
-    lse = None if lses[0] is None else torch.cat(lses, dim=2)
-    return torch.cat(outs, dim=2), lse
-
-
-def zigzag_attention_backward(kernel, do, q, k, v, o, lse, tsp: TSPGroup):
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32 if k.dtype != torch.float64 else k.dtype, device=k.device)
-    dv = torch.zeros_like(dk)
-    for qs, kv_len in _chunk_calls(k.shape[2], tsp):
-        lse_c = None if lse is None else lse[:, :, qs]
-        dq_c, dk_c, dv_c = kernel.backward(
-            do[:, :, qs], q[:, :, qs], k[:, :, :kv_len], v[:, :, :kv_len], o[:, :, qs], lse_c
-        )
-        dq[:, :, qs] = dq_c
-        dk[:, :, :kv_len] += dk_c
-        dv[:, :, :kv_len] += dv_c
+def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp: TSPGroup,
+                              dq_out: Tensor | None = None, dk_out: Tensor | None = None,
+                              dv_out: Tensor | None = None):
+    """Gradients of :func:`zigzag_attention`: dq like q, dK/dV [B, Hkv, S, d] in gather order summed over this
+    rank's calls, in (at least) fp32. Rows no call touched are zero; the first call writes, the second adds."""
+    dq = torch.empty_like(q) if dq_out is None else dq_out
+    acc = torch.promote_types(k.dtype, torch.float32)
+    dk = torch.empty(k.shape, dtype=acc, device=k.device) if dk_out is None else dk_out
+    dv = torch.empty(v.shape, dtype=acc, device=v.device) if dv_out is None else dv_out
+    written = bytearray(k.shape[2])  # host-side bookkeeping: key rows written so far
+    for rows, own, pre in zigzag_calls(q.shape[2], tsp):
+        k_pre, v_pre = (None, None) if pre is None else (k[:, :, pre], v[:, :, pre])
+        lse_c = None if lse is None else lse[:, :, rows]
+        dq_c, dk_own, dv_own, dk_pre, dv_pre = kernel.backward(
+            do[:, :, rows], q[:, :, rows], k[:, :, own], v[:, :, own], k_pre, v_pre, o[:, :, rows], lse_c)
+        dq[:, :, rows] = dq_c
+        for key_rows, gk, gv in ((own, dk_own, dv_own), (pre, dk_pre, dv_pre)):
+            if key_rows is None:
+                continue
+            seen = written[key_rows]
+            if 0 not in seen:
+                dk[:, :, key_rows] += gk
+                dv[:, :, key_rows] += gv
+            else:
+                assert 1 not in seen, "zigzag calls overlap partially"  # ruled out by zigzag_calls' order
+                dk[:, :, key_rows] = gk
+                dv[:, :, key_rows] = gv
+                written[key_rows] = b"\x01" * len(seen)
+    start = written.find(0)
+    while start != -1:  # rows no call reads get a zero gradient
+        stop = written.find(1, start)
+        stop = len(written) if stop == -1 else stop
+        dk[:, :, start:stop] = 0
+        dv[:, :, start:stop] = 0
+        start = written.find(0, stop)
     return dq, dk, dv
 
 
-# ---- autograd function ----------------------------------------------------------------------------------
-
-
-def _heads(t2d: Tensor, b: int, l: int, n: int, d: int) -> Tensor:
-    return t2d.view(b, l, n, d).transpose(1, 2)  # [B*L, n*d] -> [B, n, L, d]
-
-
-def _flat(t: Tensor) -> Tensor:
-    b, n, l, d = t.shape
-    return t.transpose(1, 2).reshape(b * l, n * d)  # [B, n, L, d] -> [B*L, n*d]
+# ---- autograd function ----------------------------------------------------------------------------------------
 
 
 def _head_rms(t: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Per-head RMS normalisation in (at least) fp32: (normalised t, 1/rms) for t [B, H, L, d]."""
+    """Per-head RMS normalisation in (at least) fp32: (normalised t, 1/rms) for t [..., d]."""
     tf = t.to(torch.promote_types(t.dtype, torch.float32))
     r = torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)
     return tf * r, r
@@ -164,51 +215,88 @@ def _head_rms_backward(grad: Tensor, t: Tensor, eps: float) -> tuple[Tensor, Ten
     return (r * (g - t_hat * (g * t_hat).mean(-1, keepdim=True))).to(t.dtype), t_hat
 
 
+def _bhld(t: Tensor) -> Tensor:
+    return t.transpose(1, 2)  # [B, L, H, d] memory -> the kernels' [B, H, L, d] view
+
+
+def project_qkv(spec: _AttnSpec, x2: Tensor, buf: Tensor, shapes, norms, b: int, l: int):
+    """One GEMM for q, k, v of head group j (their rows are consecutive in the packed shard ``buf``).
+    Returns (q_raw, k_raw, q_in, k_in, v) as [B, L, n, d] views; *_in are after the optional per-head norms."""
+    nq, nkv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    rows = (nq + 2 * nkv) * hd
+    w_qkv = buf[: rows * x2.shape[1]].view(rows, x2.shape[1])
+    if spec.bias:
+        off = sum(math.prod(s) for s in shapes[:4])
+        qkv = torch.addmm(buf[off : off + rows], x2, w_qkv.T)
+    else:
+        qkv = x2 @ w_qkv.T
+    qkv = qkv.view(b, l, nq + 2 * nkv, hd)
+    q_raw, k_raw, v = qkv[:, :, :nq], qkv[:, :, nq : nq + nkv], qkv[:, :, nq + nkv :]
+    if not spec.qk_norm:
+        return q_raw, k_raw, q_raw, k_raw, v
+    q_in = norms[0] * _head_rms(q_raw, spec.eps)[0].to(x2.dtype)
+    k_in = norms[1] * _head_rms(k_raw, spec.eps)[0].to(x2.dtype)
+    return q_raw, k_raw, q_in, k_in, v
+
+
+def kv_blocks(spec: _AttnSpec, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
+    """Per head bucket, the block [B, L, 2n, d] that travels: RoPE'd K heads, then V heads."""
+    out = []
+    for kvs, _ in spec.buckets():
+        n = kvs.stop - kvs.start
+        blk = k.new_empty(k.shape[0], k.shape[1], 2 * n, k.shape[3])
+        blk[:, :, :n] = apply_rope(k[:, :, kvs], cos, sin)
+        blk[:, :, n:] = v[:, :, kvs]
+        out.append(blk)
+    return out
+
+
+def attend(spec: _AttnSpec, q: Tensor, blocks: list[Tensor], first: KVGather, want_lse: bool = True):
+    """Attention of local queries q [B, L, nq, d] over every bucket's gathered K/V (``first`` already in flight;
+    the next bucket's exchange overlaps this bucket's kernels). Returns o [B, L, nq, d] and lse [B, nq, L]."""
+    b, l, nq, hd = q.shape
+    o = torch.empty_like(q)
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    lse = torch.empty(b, nq, l, dtype=lse_dtype, device=q.device) if want_lse else None
+    kv = first
+    for i, (kvs, qs) in enumerate(spec.buckets()):
+        g = kv.wait()
+        if i + 1 < len(blocks):
+            kv = KVGather(blocks[i + 1], spec.tsp)
+        n = kvs.stop - kvs.start
+        _, lse_b = zigzag_attention(spec.kernel, _bhld(q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]), spec.tsp,
+                                    out=_bhld(o[:, :, qs]), lse_out=None if lse is None else lse[:, qs])
+        if lse is not None and lse_b is None:
+            lse = None  # the kernel keeps no log-sum-exp: its backward recomputes
+        del g
+    return o, lse
+
+
 class BroadcastAttention(torch.autograd.Function):
     """``params``: the sharded shards (wq, wk, wv, wo[, bq, bk, bv]) then the replicated q/k norm weights."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: _AttnSpec, *params):
         b, l, h = x.shape
-        tsp, nq, nkv, hd = spec.tsp, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        tsp, nq, hd = spec.tsp, spec.n_heads, spec.head_dim
         n_sharded = 7 if spec.bias else 4
         sharded, norms = params[:n_sharded], params[n_sharded:]
         x2 = x.reshape(b * l, h)
         shapes = [p.shape for p in sharded]
-        local = pack(list(sharded), x.dtype)  # one message per owner: weights travel in the compute dtype
         norms = [w.to(x.dtype) for w in norms]
+        cos4, sin4 = cos[:, None], sin[:, None]  # [L, 1, d]: broadcast over the heads of [B, L, H, d]
         y = torch.zeros(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         saved = []
-        for _, buf in broadcast_shards(tsp, local):
-            w_q, w_k, w_v, w_o, *biases = unpack(buf, shapes)
-
-            def project(w, i, n):  # [B, n, L, d] (+ bias, per-head norm, RoPE as configured)
-                t = x2 @ w.T
-                raw = _heads(t + biases[i] if spec.bias else t, b, l, n, hd)
-                if not spec.qk_norm or i == 2:
-                    return raw, raw
-                return raw, norms[i] * _head_rms(raw, spec.eps)[0].to(x.dtype)
-
-            k_raw, k = project(w_k, 1, nkv)
-            v = project(w_v, 2, nkv)[0]
-            k = apply_rope(k, cos, sin)  # [B, nkv, L, d]
-            buckets = spec.buckets()
-            kv = KVGather(k[:, buckets[0][0]], v[:, buckets[0][0]], tsp)  # in flight while q is projected
-            q_raw, q = project(w_q, 0, nq)
-            q = apply_rope(q, cos, sin)  # [B, nq, L, d]
-            outs, lses = [], []
-            for i, (kvs, qs) in enumerate(buckets):
-                k_full, v_full = kv.wait()  # [B, bucket, S, d]
-                if i + 1 < len(buckets):  # the next bucket's exchange overlaps this bucket's attention
-                    kv = KVGather(k[:, buckets[i + 1][0]], v[:, buckets[i + 1][0]], tsp)
-                o_b, lse_b = zigzag_attention(spec.kernel, q[:, qs], k_full, v_full, tsp)
-                outs.append(o_b)
-                lses.append(lse_b)
-                del k_full, v_full
-            o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-            lse = None if lses[0] is None else torch.cat(lses, dim=1)
-            add_matmul_(y, _flat(o), w_o.T)
-            saved += [q, k, v, o, lse] + ([q_raw, k_raw] if spec.qk_norm else [])
+        # one message per owner: weights travel in the compute dtype
+        for _, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
+            w_o = unpack(buf, shapes)[3]
+            q_raw, k_raw, q_in, k_in, v = project_qkv(spec, x2, buf, shapes, norms, b, l)
+            blocks = kv_blocks(spec, k_in, v, cos4, sin4)
+            first = KVGather(blocks[0], tsp)  # in flight while q is rotated
+            q = apply_rope(q_in, cos4, sin4)  # [B, L, nq, d]
+            o, lse = attend(spec, q, blocks, first)
+            add_matmul_(y, o.view(b * l, nq * hd), w_o.T)
+            saved += [q, o, lse, *blocks] + ([q_raw, k_raw] if spec.qk_norm else [])
         ctx.spec, ctx.shapes, ctx.n_sharded = spec, shapes, n_sharded
         ctx.save_for_backward(x, cos, sin, *params, *saved)
         return y.view(b, l, h).to(x.dtype)
@@ -221,38 +309,51 @@ class BroadcastAttention(torch.autograd.Function):
         n_params = n_sharded + (2 if spec.qk_norm else 0)
         params, saved = rest[:n_params], rest[n_params:]
         sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
-        per_shard = 7 if spec.qk_norm else 5
+        buckets = spec.buckets()
+        per_shard = 3 + len(buckets) + (2 if spec.qk_norm else 0)
         b, l, h = x.shape
+        cos4, sin4 = cos[:, None], sin[:, None]
         x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
         d_norms = [torch.zeros(hd, dtype=acc_dtype, device=x.device) for _ in norms]
+        n_qkv = (nq + 2 * nkv) * hd
+        offsets = [0]
+        for s in shapes:
+            offsets.append(offsets[-1] + math.prod(s))
         owner = reduce_to_owner(tsp)
         for j, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
-            w_q, w_k, w_v, w_o, *_ = unpack(buf, shapes)
-            q, k, v, o, lse, *raw = saved[per_shard * j : per_shard * (j + 1)]
-            buckets = spec.buckets()
-            # re-gathered (never saved), in flight during the output projection's gradients
-            kv = KVGather(k[:, buckets[0][0]], v[:, buckets[0][0]], tsp)
-            d_wo = dy2.T @ _flat(o)  # [h, nq*d]
-            do = _heads(dy2 @ w_o, b, l, nq, hd)
+            w_o = unpack(buf, shapes)[3]
+            w_qkv = buf[: n_qkv * h].view(n_qkv, h)
+            q, o, lse, *blocks = saved[per_shard * j : per_shard * (j + 1)]
+            blocks, raw = blocks[: len(buckets)], blocks[len(buckets) :]
+            kv = KVGather(blocks[0], tsp)  # re-gathered (never saved), in flight during the o-projection grads
+            partial = torch.empty(offsets[-1], dtype=acc_dtype, device=x.device)
+            o2 = o.view(b * l, nq * hd)
+            matmul_into(partial[offsets[3] : offsets[4]].view(h, nq * hd), dy2.T, o2)  # d Wo_j
+            do = (dy2 @ w_o).view(b, l, nq, hd)
             dq = torch.empty_like(q)
-            dks, dvs = [], []
+            dqkv = torch.empty(b, l, nq + 2 * nkv, hd, dtype=x.dtype, device=x.device)
+            dkv_local = []
             for i, (kvs, qs) in enumerate(buckets):
-                k_full, v_full = kv.wait()
+                g = kv.wait()
                 if i + 1 < len(buckets):
-                    kv = KVGather(k[:, buckets[i + 1][0]], v[:, buckets[i + 1][0]], tsp)
-                lse_b = None if lse is None else lse[:, qs]
-                dq[:, qs], dk_full, dv_full = zigzag_attention_backward(
-                    spec.kernel, do[:, qs], q[:, qs], k_full, v_full, o[:, qs], lse_b, tsp
-                )
-                del k_full, v_full
-                dk_b, dv_b = scatter_kv_grad(dk_full, dv_full, tsp)  # to the token owners, fp32
-                dks.append(dk_b)
-                dvs.append(dv_b)
-            dk = torch.cat(dks, dim=1) if len(dks) > 1 else dks[0]
-            dv = torch.cat(dvs, dim=1) if len(dvs) > 1 else dvs[0]
-            dq, dk = apply_rope_backward(dq, cos, sin), apply_rope_backward(dk.to(x.dtype), cos, sin)
+                    kv = KVGather(blocks[i + 1], tsp)
+                n = kvs.stop - kvs.start
+                dg = torch.empty(g.shape, dtype=acc_dtype, device=x.device)
+                zigzag_attention_backward(
+                    spec.kernel, _bhld(do[:, :, qs]), _bhld(q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]),
+                    _bhld(o[:, :, qs]), None if lse is None else lse[:, qs], tsp,
+                    dq_out=_bhld(dq[:, :, qs]), dk_out=_bhld(dg[:, :, :n]), dv_out=_bhld(dg[:, :, n:]))
+                del g
+                dkv_local.append(scatter_kv_grad(dg, tsp))  # to the token owners, fp32
+                del dg
+            dk = torch.cat([t[:, :, : t.shape[2] // 2] for t in dkv_local], dim=2) if len(dkv_local) > 1 \
+                else dkv_local[0][:, :, :nkv]
+            dv = torch.cat([t[:, :, t.shape[2] // 2 :] for t in dkv_local], dim=2) if len(dkv_local) > 1 \
+                else dkv_local[0][:, :, nkv:]
+            dq = apply_rope_backward(dq, cos4, sin4)
+            dk = apply_rope_backward(dk.to(x.dtype), cos4, sin4)
             if spec.qk_norm:
                 grads = []
                 for i, (g, t_raw) in enumerate(zip((dq, dk), raw)):
@@ -260,13 +361,15 @@ class BroadcastAttention(torch.autograd.Function):
                     d_norms[i] += (g.to(acc_dtype) * t_hat.to(x.dtype).to(acc_dtype)).sum((0, 1, 2))
                     grads.append(dt)
                 dq, dk = grads
-            dq2, dk2, dv2 = _flat(dq), _flat(dk), _flat(dv.to(x.dtype))
-            for grad_out, w in ((dq2, w_q), (dk2, w_k), (dv2, w_v)):
-                add_matmul_(dx, grad_out, w)
-            partial = [dq2.T @ x2, dk2.T @ x2, dv2.T @ x2, d_wo]
+            dqkv[:, :, :nq] = dq
+            dqkv[:, :, nq : nq + nkv] = dk
+            dqkv[:, :, nq + nkv :] = dv
+            dqkv2 = dqkv.view(b * l, n_qkv)
+            add_matmul_(dx, dqkv2, w_qkv)  # one GEMM for the q, k and v input gradients
+            matmul_into(partial[:n_qkv * h].view(n_qkv, h), dqkv2.T, x2)  # d Wq_j, d Wk_j, d Wv_j
             if spec.bias:
-                partial += [dq2.sum(0), dk2.sum(0), dv2.sum(0)]
-            owner.submit(j, pack(partial, acc_dtype))
+                torch.sum(dqkv2, 0, dtype=acc_dtype, out=partial[offsets[4] : offsets[4] + n_qkv])
+            owner.submit(j, partial)
         grads = unpack(owner.result(), shapes)
         d_sharded = [g.to(w.dtype) for g, w in zip(grads, sharded)]
         d_norm_params = [all_reduce_sum(g, tsp).to(w.dtype) for g, w in zip(d_norms, params[n_sharded:])]

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.schedules.comm import add_matmul_, local_tensor, pack, unpack
+from lightning_tsp.kernels.gemm import add_matmul_
+from lightning_tsp.schedules.comm import local_tensor, pack, unpack
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 
@@ -23,15 +24,17 @@ class RingMLP(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup):
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
+        f = w_gate.shape[0]  # F/D
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         y = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)  # D partial sums: accumulate in fp32
-        saved = [None] * (2 * tsp.size)  # gate/up pre-activations [B*L, F/D], indexed by shard
+        saved = [None] * tsp.size  # gate|up pre-activations [B*L, 2F/D], indexed by shard
         for s, buf in ring_shards(tsp, pack([w_gate, w_up, w_down], x.dtype)):
-            wg, wu, wd = unpack(buf, shapes)
-            gate, up = x2 @ wg.T, x2 @ wu.T
-            add_matmul_(y, F.silu(gate) * up, wd.T)
-            saved[2 * s], saved[2 * s + 1] = gate, up
+            w_gu = buf[: 2 * f * h].view(2 * f, h)  # gate and up rows are consecutive: one GEMM
+            wd = unpack(buf, shapes)[2]
+            gu = x2 @ w_gu.T
+            add_matmul_(y, F.silu(gu[:, :f]) * gu[:, f:], wd.T)
+            saved[s] = gu
         ctx.tsp, ctx.shapes = tsp, shapes
         ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
         return y.view(b, l, h).to(x.dtype)
@@ -41,21 +44,27 @@ class RingMLP(torch.autograd.Function):
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
         tsp, shapes = ctx.tsp, ctx.shapes
         b, l, h = x.shape
+        f = w_gate.shape[0]
         x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
         local = pack([w_gate, w_up, w_down], x.dtype)
         ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype)
         for s, buf, acc in ring:
-            wg, wu, wd = unpack(buf, shapes)
-            gate, up = saved[2 * s], saved[2 * s + 1]
+            w_gu = buf[: 2 * f * h].view(2 * f, h)
+            wd = unpack(buf, shapes)[2]
+            gu = saved[s]
+            gate, up = gu[:, :f], gu[:, f:]
             sig = torch.sigmoid(gate)
             act = gate * sig  # silu(gate)
             d_act = dy2 @ wd  # [B*L, F/D]
-            d_up = d_act * act
-            d_gate = d_act * up * sig * (1 + gate * (1 - sig))
-            add_matmul_(add_matmul_(dx, d_gate, wg), d_up, wu)
-            acc += pack([d_gate.T @ x2, d_up.T @ x2, dy2.T @ (act * up)], acc_dtype)
+            d_gu = torch.empty_like(gu)
+            torch.mul(d_act * up, sig * (1 + gate * (1 - sig)), out=d_gu[:, :f])
+            torch.mul(d_act, act, out=d_gu[:, f:])
+            add_matmul_(dx, d_gu, w_gu)  # one GEMM for both input gradients
+            acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
+            add_matmul_(acc_gu, d_gu.T, x2)
+            add_matmul_(acc_d, dy2.T, act * up)
         d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
         return (dx.view(b, l, h).to(x.dtype), *d_w, None)
 

@@ -21,6 +21,7 @@ from lightning_tsp.checks import TSPConfigError, check_model_shape
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMHead, TSPRMSNorm
 from lightning_tsp.layers.rope import rope_cos_sin
+from lightning_tsp.offload import offloaded_checkpoint
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX, shard_batch
 
@@ -57,7 +58,7 @@ class ModelConfig:
         return self.n_layers * per_layer + v * h * (1 if self.tie_embeddings else 2) + h
 
 
-CHECKPOINTING_MODES = ("none", "selective", "full")
+CHECKPOINTING_MODES = ("none", "selective", "full", "offload")
 
 _PRESET_ARGS: dict[str, dict] = {
     # CPU tests and the quick-start demo (byte-level vocabulary).
@@ -127,7 +128,7 @@ class TSPLlama(nn.Module):
         tsp: TSPGroup | None = None,
         *,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "selective", "full"] = "none",
+        activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
         token_chunk: int = 4096,
         kv_bucket_heads: int | None = None,
         device=None,
@@ -239,6 +240,8 @@ class TSPLlama(nn.Module):
             mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
             if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            elif mode == "offload":  # as full, the layer input waiting in pinned host memory
+                x = offloaded_checkpoint(layer, x, cos, sin)
             else:
                 x = layer(x, cos, sin, checkpoint_mlp=mode == "selective")
         return self.model.norm(x)

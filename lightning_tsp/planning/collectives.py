@@ -39,7 +39,7 @@ __all__ = [
 OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "all_reduce", "send")
 PHASES = ("forward", "backward")
 G_BYTES = 4  # gradient reductions are fp32
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full", "offload")
 
 Tally = dict[str, dict[str, int]]  # phase -> op -> bytes (or calls)
 What = Literal["bytes", "calls"]
@@ -115,7 +115,8 @@ def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, w
     f = t["forward"]
     by = what == "bytes"
     f["broadcast"] = D * (tsp_attn_shard_numel(shape, D) * w_bytes if by else 1)
-    f["all_gather_into_tensor"] = D * (tsp_kv_gather_numel(shape, B, S, D) * w_bytes if by else 1)
+    # per owner: one all-gather per zigzag half, each half of the gathered K/V
+    f["all_gather_into_tensor"] = D * (tsp_kv_gather_numel(shape, B, S, D) * w_bytes if by else 2)
     f["send"] = (D - 1) * (tsp_mlp_shard_numel(shape, D) * w_bytes if by else 1)
     return t
 
@@ -132,9 +133,9 @@ def tsp_layer_collectives(
 ) -> Tally:
     """One transformer layer (attention broadcast schedule + MLP ring + 2 RMSNorms) on one TSP rank.
 
-    Forward: D broadcasts of the attention shard (w_bytes), D K/V all-gathers (w_bytes), D-1 MLP ring sends.
-    Backward: D broadcasts again, D K/V all-gathers again (gathered K/V are not saved), D dK/dV reduce-scatters
-    (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad all-reduces of h fp32, D-1 MLP weight sends
+    Forward: D broadcasts of the attention shard (w_bytes), 2D K/V all-gathers (w_bytes; one per owner and
+    zigzag half), D-1 MLP ring sends. Backward: D broadcasts again, 2D K/V all-gathers again (gathered K/V are
+    not saved), 2D dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad all-reduces of h fp32, D-1 MLP weight sends
     (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
     backward (one more forward's worth); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
     Returns phase -> op -> bytes (``what="bytes"``) or number of calls (``what="calls"``).
@@ -155,13 +156,13 @@ def tsp_layer_collectives(
     bwd = _empty()
     b = bwd["backward"]
     b["broadcast"] = D * (attn * w_bytes if by else 1)
-    b["all_gather_into_tensor"] = D * (kv * w_bytes if by else 1)
-    b["reduce_scatter_tensor"] = D * (kv * G_BYTES if by else 1)
+    b["all_gather_into_tensor"] = D * (kv * w_bytes if by else 2)
+    b["reduce_scatter_tensor"] = D * (kv * G_BYTES if by else 2)
     b["reduce"] = D * (attn * G_BYTES if by else 1)
     b["all_reduce"] = 2 * (shape.hidden_size * G_BYTES if by else 1)
     b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
     out = add_tallies(fwd, bwd)
-    if checkpointing == "full":
+    if checkpointing in ("full", "offload"):  # offload: full checkpointing, inputs in host memory
         recompute = fwd["forward"]
         for op, v in recompute.items():
             out["backward"][op] += v

@@ -63,7 +63,7 @@ def training_flops(
     """
     f = forward_flops(shape, B, S, causal)
     model = 3 * (f["linear"] + f["attention"] + f["lm_head"])
-    recompute = 1 if checkpointing == "full" else 0
+    recompute = 1 if checkpointing in ("full", "offload") else 0
     hw_matmul = f["linear"] * (3 + recompute) + f["lm_head"] * 3
     hw_attn = f["attention"] * (1 + recompute) + f["attention"] * 5 // 2
     return {"forward": sum(f.values()), "model": model, "hardware": hw_matmul + hw_attn,

@@ -224,7 +224,8 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
       gathered full-sequence K/V, where a strategy keeps them (SP, TPxSP).
     ``selective`` recomputes the norms (unless their output was gathered: that needs communication) and the
     SwiGLU elementwise ops (keeps 2 F-wide tensors); for TSP (``mlp_saved == 2``) it keeps the attention half and
-    re-runs the second norm and the MLP ring from the block's input; ``full`` keeps only the layer input.
+    re-runs the second norm and the MLP ring from the block's input; ``full`` keeps only the layer input;
+    ``offload`` keeps that in host memory (nothing on the GPU).
     """
     h, hd, a, r = shape.hidden_size, shape.hd, p.compute, p.residual
     norm_in = 2 * h * r * T_res  # both norms' inputs
@@ -242,6 +243,8 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
         saved = norm_in + (norm_out if norm_gathered else 0) + attn + 2 * F_loc * a * T_tok + kvg
     elif mode == "full":
         saved = h * r * T_res
+    elif mode == "offload":  # full checkpointing with the layer input in pinned host memory
+        saved = 0
     else:
         raise ValueError(f"checkpointing must be one of {C.CHECKPOINTING}, got {mode!r}")
     return full, saved
@@ -322,8 +325,9 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
             g = C.G_BYTES
             # attention (backward is the larger phase): own packed shard + the one computing + the next in flight
             # (3 A, compute dtype), the fp32 weight-grad partial being reduced + the own result (2 A fp32), the
-            # gathered K/V of one head group (compute dtype), fp32 dK/dV + its packed reduce-scatter input (2 x)
-            attn_tr = 3 * A * w + 2 * A * g + kv * a + 2 * kv * g
+            # gathered K/V of one head group (compute dtype), fp32 dK/dV in gather order (reduce-scattered in
+            # place) and the kernel's dK/dV output of one call (compute dtype)
+            attn_tr = 3 * A * w + 2 * A * g + kv * a + kv * g + kv * a
             # MLP ring: own packed shard + current + next (3 M) and, in backward, the fp32 accumulator + the one
             # arriving (2 M fp32)
             mlp_tr = 3 * M * w + 2 * M * g
@@ -393,7 +397,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
     T = B * S
     out: list[CommEntry] = []
     n_local = local_params(shape, layout)
-    full = mode == "full"
+    full = mode in ("full", "offload")
 
     def E(phase, op, group, size, stride, nbytes, calls, overlap, per_layer, what):
         if size > 1 and nbytes:

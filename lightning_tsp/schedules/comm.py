@@ -80,13 +80,6 @@ class SumGradOverGroup(torch.autograd.Function):
         return g.to(grad.dtype), None
 
 
-def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``acc += a @ b`` in place; ``acc`` may be a wider accumulator (fp32) than the bf16 operands."""
-    if acc.dtype == a.dtype:
-        return acc.addmm_(a, b)
-    return acc.add_(a @ b)
-
-
 def local_tensor(p: Tensor) -> Tensor:
     """This rank's shard of a parameter: ``to_local()`` of a DTensor (differentiable), the tensor itself otherwise."""
     to_local = getattr(p, "to_local", None)

@@ -1,0 +1,85 @@
+"""Where a training step's time goes: one harness configuration (benchmarks/harness.py options), one warm-up
+step, one step under torch.profiler. Prints the GPU kernels by total time, the GPU busy time against the wall
+time (the difference is time the GPU waited for the host), and the kernel count.
+
+    python benchmarks/profile_step.py --strategy tsp --model paper-7b --layers 2 --seq-len 131072 --world 8
+
+Fake process group as in the harness: communication excluded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = 25
+    if "--top" in argv:
+        i = argv.index("--top")
+        top = int(argv[i + 1])
+        del argv[i : i + 2]
+    args = harness.parse_args(argv)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from baselines import build
+    from baselines.common import prime_optimizer
+
+    cfg = harness.model_config(args)
+    torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    runner = build(harness.make_setup(args, cfg, "cuda"))
+    prime_optimizer(runner)
+
+    def step():
+        runner.forward_backward()
+        runner.optimizer.step()
+        runner.optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up, then an unprofiled timing
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(lambda: [0.0, 0])
+    busy_intervals = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            per_kernel[ev.name][0] += ev.device_time
+            per_kernel[ev.name][1] += 1
+            busy_intervals.append((ev.time_range.start, ev.time_range.end))
+    busy_intervals.sort()
+    busy, end = 0.0, -1.0
+    for a, b in busy_intervals:  # union of kernel intervals (streams may overlap)
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    total = sum(v[0] for v in per_kernel.values())
+    n = sum(v[1] for v in per_kernel.values())
+    print(f"{args.strategy} {cfg.n_layers} layers S={args.seq_len} world={args.world} ckpt={args.checkpointing}: "
+          f"step {wall:.3f} s unprofiled; GPU busy {busy / 1e6:.3f} s, kernel time {total / 1e6:.3f} s, "
+          f"{n} kernels; peak {torch.cuda.max_memory_allocated() / 1e9:.2f} GB")
+    print("| kernel | ms | calls | share |")
+    print("| --- | --- | --- | --- |")
+    for name, (t, c) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {name[:110]} | {t / 1e3:.1f} | {c} | {t / total:.1%} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Full activation checkpointing whose one saved tensor, a layer's input, waits in pinned host memory.
+
+At very long contexts the fp32 layer inputs that full checkpointing keeps are the largest thing on the GPU
+(S/D x h x 4 bytes per layer: 137 GB for the paper's 7B at 2M tokens, D = 8). ``checkpointing="offload"`` copies
+each input to pinned host memory on a side stream during the forward (overlapping the next layer) and brings it
+back at the start of that layer's backward, where the layer is re-run under autograd and differentiated in
+place (a reentrant checkpoint: parameter gradients accumulate as in any backward). Same function, same
+gradients as ``full``; the GPU keeps no per-layer activation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+class _HostCopy:
+    """A device tensor's copy in (pinned) host memory, made on a side stream without blocking the compute."""
+
+    def __init__(self, t: Tensor):
+        self.device, self.requires_grad = t.device, t.requires_grad
+        t = t.detach()
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        self.done = None
+        if t.is_cuda:
+            stream = _copy_stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(t, non_blocking=True)
+                self.done = torch.cuda.Event()
+                self.done.record(stream)
+            t.record_stream(stream)  # the allocator keeps t's memory until the copy has read it
+        else:
+            self.host.copy_(t)
+
+    def restore(self) -> Tensor:
+        if self.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+        return self.host.to(self.device, non_blocking=True)
+
+
+class OffloadedCheckpoint(torch.autograd.Function):
+    """``layer(x, *args)`` without saving anything on the device; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, layer: nn.Module, x: Tensor, *args: Tensor) -> Tensor:
+        dev = x.device.type
+        ctx.layer = layer
+        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
+            else (False, None)
+        with torch.no_grad():
+            y = layer(x, *args)
+        ctx.x = _HostCopy(x)
+        ctx.save_for_backward(*args)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        args = ctx.saved_tensors
+        x = ctx.x.restore().requires_grad_(ctx.x.requires_grad)
+        ctx.x = None
+        dev = x.device.type
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+            y = ctx.layer(x, *args)
+        torch.autograd.backward(y, dy)
+        return (None, x.grad if ctx.needs_input_grad[1] else None) + (None,) * len(args)
+
+
+def offloaded_checkpoint(layer: nn.Module, x: Tensor, *args: Tensor) -> Tensor:
+    if not torch.is_grad_enabled():
+        return layer(x, *args)
+    return OffloadedCheckpoint.apply(layer, x, *args)
