@@ -135,6 +135,15 @@ def make_norm(cfg, kind: str = "torch") -> nn.Module:
     return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
 
+def to_compute_dtype(x: Tensor) -> Tensor:
+    """A norm's fp32 output cast once to the autocast dtype (as Megatron's bf16 activations are): the projections
+    then need no casts of their own, and a sequence-parallel all-gather moves bf16, not fp32."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg, sdpa_backend: str = "auto", norm: str = "torch"):
         super().__init__()
@@ -144,8 +153,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention(to_compute_dtype(self.attention_norm(x)), cos, sin)
+        return h + self.feed_forward(to_compute_dtype(self.ffn_norm(h)))
 
 
 class Transformer(nn.Module):
@@ -171,7 +180,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        return self.output(to_compute_dtype(self.norm(h)))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
