@@ -1,18 +1,24 @@
-"""Full activation checkpointing whose one saved tensor, a layer's input, waits in pinned host memory.
+"""Full activation checkpointing with what it keeps in pinned host memory.
 
 At very long contexts the fp32 layer inputs that full checkpointing keeps are the largest thing on the GPU
 (S/D x h x 4 bytes per layer: 137 GB for the paper's 7B at 2M tokens, D = 8). ``checkpointing="offload"`` copies
-each input to pinned host memory on a side stream during the forward (overlapping the next layer) and brings it
-back at the start of that layer's backward, where the layer is re-run under autograd and differentiated in
-place (a reentrant checkpoint: parameter gradients accumulate as in any backward). Same function, same
-gradients as ``full``; the GPU keeps no per-layer activation.
+each layer's input, and the attention kernels' outputs (o and the log-sum-exp of every head group, S/D x h x 2
+bytes), to pinned host memory on a side stream during the forward (overlapping the next layer), and brings them
+back at the start of that layer's backward, where the layer is re-run under autograd and differentiated in place
+(a reentrant checkpoint: parameter gradients accumulate as in any backward). The re-run reuses the attention
+outputs, so it issues no K/V all-gather and no attention kernel: the recomputation costs only the GEMMs and the
+weight traffic. Same function, same gradients as ``full``; the GPU keeps no per-layer activation.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch import Tensor
+
+from lightning_tsp.layers.attention import AttentionStash, TSPAttention
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -48,6 +54,19 @@ class _HostCopy:
         return self.host.to(self.device, non_blocking=True)
 
 
+@contextlib.contextmanager
+def _stashing(layer: nn.Module, stash: AttentionStash | None):
+    attn = getattr(layer, "self_attn", None)
+    if stash is None or not isinstance(attn, TSPAttention):
+        yield
+        return
+    attn.stash = stash
+    try:
+        yield
+    finally:
+        attn.stash = None
+
+
 class OffloadedCheckpoint(torch.autograd.Function):
     """``layer(x, *args)`` without saving anything on the device; see the module docstring."""
 
@@ -57,9 +76,11 @@ class OffloadedCheckpoint(torch.autograd.Function):
         ctx.layer = layer
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
             else (False, None)
-        with torch.no_grad():
+        stash = AttentionStash()
+        with torch.no_grad(), _stashing(layer, stash):
             y = layer(x, *args)
         ctx.x = _HostCopy(x)
+        ctx.stash = [tuple(None if t is None else _HostCopy(t) for t in item) for item in stash.items]
         ctx.save_for_backward(*args)
         return y
 
@@ -67,11 +88,15 @@ class OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         args = ctx.saved_tensors
         x = ctx.x.restore().requires_grad_(ctx.x.requires_grad)
-        ctx.x = None
+        stash = AttentionStash()
+        stash.items = [tuple(None if t is None else t.restore() for t in item) for item in ctx.stash]
+        stash.replaying = True
+        ctx.x = ctx.stash = None
         dev = x.device.type
         enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), _stashing(ctx.layer, stash):
             y = ctx.layer(x, *args)
+        assert not stash.items, "the recomputation did not replay every attention output"
         torch.autograd.backward(y, dy)
         return (None, x.grad if ctx.needs_input_grad[1] else None) + (None,) * len(args)
 

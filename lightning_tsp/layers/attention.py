@@ -43,6 +43,7 @@ class _AttnSpec:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3), replicated weights [head_dim]
     eps: float = 1e-6
     kv_bucket: int | None = None  # local KV heads gathered at once (head bucketing); None: all of them
+    stash: AttentionStash | None = None  # attention outputs recorded by a forward / replayed by its recompute
 
     def buckets(self) -> list[tuple[slice, slice]]:
         """(KV-head slice, query-head slice) per bucket of the local head group."""
@@ -285,21 +286,33 @@ class BroadcastAttention(torch.autograd.Function):
         shapes = [p.shape for p in sharded]
         norms = [w.to(x.dtype) for w in norms]
         cos4, sin4 = cos[:, None], sin[:, None]  # [L, 1, d]: broadcast over the heads of [B, L, H, d]
-        y = torch.zeros(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        # every head group's o and Wo_j land in one [B*L, D*nq*d] / [h, D*nq*d] pair: one output-projection GEMM
+        # at the end (full K, fp32 accumulation inside the GEMM) instead of D thin GEMMs into an accumulator
+        o_all = x.new_empty(b * l, tsp.size * nq * hd)
+        wo_all = x.new_empty(h, tsp.size * nq * hd)
         saved = []
         # one message per owner: weights travel in the compute dtype
-        for _, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
-            w_o = unpack(buf, shapes)[3]
+        for j, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
+            cols = slice(j * nq * hd, (j + 1) * nq * hd)
+            wo_all[:, cols] = unpack(buf, shapes)[3]
             q_raw, k_raw, q_in, k_in, v = project_qkv(spec, x2, buf, shapes, norms, b, l)
             blocks = kv_blocks(spec, k_in, v, cos4, sin4)
-            first = KVGather(blocks[0], tsp)  # in flight while q is rotated
-            q = apply_rope(q_in, cos4, sin4)  # [B, L, nq, d]
-            o, lse = attend(spec, q, blocks, first)
-            add_matmul_(y, o.view(b * l, nq * hd), w_o.T)
+            if spec.stash is not None and spec.stash.replaying:  # recompute: the kernels' outputs are known
+                q = apply_rope(q_in, cos4, sin4)
+                o, lse = spec.stash.replay()
+            else:
+                first = KVGather(blocks[0], tsp)  # in flight while q is rotated
+                q = apply_rope(q_in, cos4, sin4)  # [B, L, nq, d]
+                o, lse = attend(spec, q, blocks, first)
+                if spec.stash is not None:
+                    spec.stash.record(o, lse)
+            o_all[:, cols] = o.view(b * l, nq * hd)
             saved += [q, o, lse, *blocks] + ([q_raw, k_raw] if spec.qk_norm else [])
+        y = o_all @ wo_all.T
+        del o_all, wo_all
         ctx.spec, ctx.shapes, ctx.n_sharded = spec, shapes, n_sharded
         ctx.save_for_backward(x, cos, sin, *params, *saved)
-        return y.view(b, l, h).to(x.dtype)
+        return y.view(b, l, h)
 
     @staticmethod
     def backward(ctx, dy):
@@ -376,6 +389,22 @@ class BroadcastAttention(torch.autograd.Function):
         return (dx.view(b, l, h).to(x.dtype), None, None, None, *d_sharded, *d_norm_params)
 
 
+class AttentionStash:
+    """The attention kernels' outputs (o, lse per head group) of a checkpointed layer's forward, handed to its
+    recomputation, which then skips the K/V all-gathers and the attention kernels (``checkpointing="offload"``
+    keeps them in host memory with the layer input). Exact: the recomputation uses the forward's own outputs."""
+
+    def __init__(self):
+        self.items: list[tuple[Tensor, Tensor | None]] = []
+        self.replaying = False
+
+    def record(self, o: Tensor, lse: Tensor | None) -> None:
+        self.items.append((o, lse))
+
+    def replay(self) -> tuple[Tensor, Tensor | None]:
+        return self.items.pop(0)
+
+
 class TSPAttention(nn.Module):
     """Causal self-attention (MHA or GQA) whose q/k/v/o weights are sharded by head group over the TSP group.
 
@@ -397,6 +426,7 @@ class TSPAttention(nn.Module):
         if kv_bucket_heads is not None and kv_bucket_heads < 1:
             raise TSPConfigError(f"kv_bucket_heads={kv_bucket_heads}: give a positive number of KV heads or None")
         self.kv_bucket_heads = kv_bucket_heads
+        self.stash: AttentionStash | None = None  # set by checkpointing="offload" around a forward / recompute
         self.head_dim = head_dim or hidden_size // n_heads
         self.n_heads, self.n_kv_heads = n_heads // d, n_kv_heads // d  # local
         kw = dict(device=device, dtype=dtype)
@@ -413,7 +443,7 @@ class TSPAttention(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         kernel = select_attention_kernel(x.device, self.kernel_name, dtype)
         spec = _AttnSpec(self.tsp, self.n_heads, self.n_kv_heads, self.head_dim, kernel, self.bias, self.qk_norm,
-                         self.norm_eps, self.kv_bucket_heads)
+                         self.norm_eps, self.kv_bucket_heads, self.stash)
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         params = [local_tensor(m.weight) for m in projections]
         if self.bias:

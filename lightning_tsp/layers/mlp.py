@@ -26,18 +26,23 @@ class RingMLP(torch.autograd.Function):
         x2 = x.reshape(b * l, h)
         f = w_gate.shape[0]  # F/D
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
-        acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        y = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)  # D partial sums: accumulate in fp32
+        # each shard's activations and down-projection columns land in one [B*L, F] / [h, F] pair: the outputs
+        # accumulate in ONE down-projection GEMM at the end (full K, fp32 inside the GEMM), not D thin ones
+        act_all = x.new_empty(b * l, tsp.size * f)
+        wd_all = x.new_empty(h, tsp.size * f)
         saved = [None] * tsp.size  # gate|up pre-activations [B*L, 2F/D], indexed by shard
         for s, buf in ring_shards(tsp, pack([w_gate, w_up, w_down], x.dtype)):
             w_gu = buf[: 2 * f * h].view(2 * f, h)  # gate and up rows are consecutive: one GEMM
-            wd = unpack(buf, shapes)[2]
+            cols = slice(s * f, (s + 1) * f)
+            wd_all[:, cols] = unpack(buf, shapes)[2]
             gu = x2 @ w_gu.T
-            add_matmul_(y, F.silu(gu[:, :f]) * gu[:, f:], wd.T)
+            torch.mul(F.silu(gu[:, :f]), gu[:, f:], out=act_all[:, cols])
             saved[s] = gu
+        y = act_all @ wd_all.T
+        del act_all, wd_all
         ctx.tsp, ctx.shapes = tsp, shapes
         ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
-        return y.view(b, l, h).to(x.dtype)
+        return y.view(b, l, h)
 
     @staticmethod
     def backward(ctx, dy):
