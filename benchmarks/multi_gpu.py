@@ -91,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--check-seq", type=int)
     g.add_argument("--check-batch", type=int, default=2)
     g.add_argument("--check-steps", type=int, default=4, help="AdamW steps of the loss curve")
-    g.add_argument("--check-checkpointing", choices=("none", "selective", "full"), default="full",
+    g.add_argument("--check-checkpointing", choices=("none", "selective", "full", "offload"), default="full",
                    help="TSP model's activation checkpointing (recompute re-issues its collectives); the "
                         "reference runs without")
     g.add_argument("--rtol-fp32", type=float, default=1e-5)

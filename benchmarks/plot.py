@@ -6,7 +6,7 @@ Writes peak_memory.png (peak GB per rank vs sequence length, one line per strate
 crosses at the top) and throughput.png (tokens/s per GPU per strategy, grouped by sequence length, with the
 predicted step including communication drawn as a lighter bar when it is slower). Rows of one model
 configuration only (the most frequent one, unless --model/--layers say otherwise); the last row of a
-(strategy, layout, seq) wins.
+(strategy, layout, checkpointing, seq) wins.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ def select(rows: list[dict], model: str | None, layers: int | None) -> list[dict
     rows = [r for r in rows if (model is None or r.get("model") == model) and (layers is None or r.get("layers") == layers)]
     last = {}
     for r in rows:
-        last[(r["strategy"], r.get("layout", ""), r["seq_len"])] = r
+        last[(r["strategy"], r.get("layout", ""), r.get("checkpointing", "full"), r["seq_len"])] = r
     return list(last.values())
 
 
 def label(r: dict) -> str:
-    lay = r.get("layout") or ""
-    return f"{r['strategy']} ({lay})" if lay else r["strategy"]
+    parts = [p for p in (r.get("layout") or "", r.get("checkpointing", "full")) if p and p != "full"]
+    return f"{r['strategy']} ({', '.join(parts)})" if parts else r["strategy"]
 
 
 def seq_label(n: int) -> str:

@@ -61,9 +61,12 @@ def main() -> None:
             for n in names:
                 kern = select_attention_kernel(dev, n)
 
+                own = (k[:, :, lk - lq:], v[:, :, lk - lq:])  # the query block's own chunk (square causal)
+                pre = (k[:, :, :lk - lq], v[:, :, :lk - lq]) if lk > lq else (None, None)  # fully visible prefix
+
                 def step():
-                    o, lse = kern.forward(q, k, v)
-                    kern.backward(do, q, k, v, o, lse)
+                    o, lse = kern.forward(q, *own, *pre)
+                    kern.backward(do, q, *own, *pre, o, lse)
 
                 t = bench(step)
                 cells.append(f"{t * 1e3:.2f} / {flops / t / 1e12:.0f}")

@@ -60,8 +60,12 @@ class TSPLanguageModel(LightningModule):
         overrides: ``ModelConfig`` fields changed on top of the preset (e.g. ``{"n_layers": 4}``).
         config: a full ``ModelConfig`` instead of ``preset`` + ``overrides``.
         attention_kernel: ``auto`` | ``flash`` | ``cudnn`` | ``sdpa`` | ``math`` (see ``lightning_tsp.kernels``).
-        activation_checkpointing: ``none`` or ``full`` (recompute each layer's forward in backward).
+        activation_checkpointing: ``none``, ``selective`` (keep attention, recompute norm + MLP ring), ``full``
+            (recompute each layer's forward in backward) or ``offload`` (``full`` with the layer inputs and the
+            attention outputs in pinned host memory; the recomputation skips the attention).
         token_chunk: tokens per chunk of the vocab-sharded LM head (the full [L, V] logits never exist).
+        kv_bucket_heads: KV heads whose full-sequence K/V are gathered at once (head bucketing; ``None``: all of
+            a head group's). ``1`` keeps the gathered K/V smallest at very long contexts.
         init_on_meta: build the unsharded model on the meta device (no memory); the strategy then initialises
             only this rank's shards, giving the same weights as a full initialisation whatever ``tsp_size``.
         lr: peak learning rate of AdamW.
@@ -81,6 +85,7 @@ class TSPLanguageModel(LightningModule):
         attention_kernel: str = "auto",
         activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
         token_chunk: int = 4096,
+        kv_bucket_heads: Optional[int] = None,
         init_on_meta: bool = True,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
@@ -124,6 +129,7 @@ class TSPLanguageModel(LightningModule):
             attention_kernel=hp.attention_kernel,
             activation_checkpointing=hp.activation_checkpointing,
             token_chunk=hp.token_chunk,
+            kv_bucket_heads=hp.get("kv_bucket_heads"),
             device="meta" if hp.init_on_meta else None,
         )
 

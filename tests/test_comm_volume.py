@@ -83,7 +83,7 @@ def _nonzero(tally: dict) -> dict:
 
 def _worker(rank: int, world_size: int) -> None:
     for tie in (False, True):
-        for checkpointing in ("none", "selective", "full") if not tie else ("none",):
+        for checkpointing in ("none", "selective", "full", "offload") if not tie else ("none",):
             cfg = shapes_for(world_size, gqa=True, tie=tie)
             model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float32)
             ids, labels = batch(cfg, B, S)

@@ -53,19 +53,20 @@ def _lightning_module_class():
     from lightning.pytorch import LightningModule
 
     class TSPLanguageModel(LightningModule):
-        def __init__(self, cfg, on_meta: bool, optimizer: str):
+        def __init__(self, cfg, on_meta: bool, optimizer: str, checkpointing: str = "none"):
             super().__init__()
-            self.cfg, self.on_meta, self.optimizer = cfg, on_meta, optimizer
+            self.cfg, self.on_meta, self.optimizer, self.checkpointing = cfg, on_meta, optimizer, checkpointing
             self.model = None
             self.losses: list[torch.Tensor] = []
 
         def configure_model(self):
             if self.model is not None:
                 return
-            if self.on_meta:
-                self.model = TSPLlama(self.cfg, device="meta")  # the strategy calls init_weights on the shards
-            else:
-                self.model = TSPLlama(self.cfg)  # materialised full model: the strategy copies the slices
+            ckpt = self.checkpointing
+            if self.on_meta:  # the strategy calls init_weights on the shards
+                self.model = TSPLlama(self.cfg, activation_checkpointing=ckpt, device="meta")
+            else:  # materialised full model: the strategy copies the slices
+                self.model = TSPLlama(self.cfg, activation_checkpointing=ckpt)
 
         def training_step(self, batch, batch_idx):
             loss = self.model(**batch)  # unchanged single-device code
@@ -137,7 +138,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 150.0) -> None:
 # ---- the distributed worker -----------------------------------------------------------------------------------
 
 
-def _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt_dir=None):
+def _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt_dir=None, checkpointing="none"):
     from lightning.pytorch import Trainer
 
     strategy = TSPStrategy(tsp_size=tsp_size, timeout=timedelta(seconds=90))
@@ -154,7 +155,7 @@ def _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt
         precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )
-    module = _lightning_module_class()(cfg, on_meta, optimizer)
+    module = _lightning_module_class()(cfg, on_meta, optimizer, checkpointing)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=B, shuffle=False))
     assert trainer.strategy.launcher is not None and trainer.global_step == steps
     assert calls["reduce"] == steps, f"dp gradient sync ran {calls['reduce']} times for {steps} optimizer steps"
@@ -163,12 +164,13 @@ def _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt
     return trainer, module
 
 
-def _check_case(rank, world_size, tsp_size, steps, accum, on_meta, optimizer="sgd", ckpt_dir=None):
+def _check_case(rank, world_size, tsp_size, steps, accum, on_meta, optimizer="sgd", ckpt_dir=None,
+                checkpointing="none"):
     dp = world_size // tsp_size
     cfg = shapes_for(tsp_size, gqa=True)
     data = make_dataset(cfg, dp * B * steps * accum)
-    trainer, module = _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt_dir)
-    tag = f"world={world_size} D={tsp_size} dp={dp} accum={accum} meta={on_meta} {optimizer}"
+    trainer, module = _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt_dir, checkpointing)
+    tag = f"world={world_size} D={tsp_size} dp={dp} accum={accum} meta={on_meta} {optimizer} ckpt={checkpointing}"
 
     # every parameter is a DTensor on the "tsp" sub-mesh with the layer's placement; only this rank's shard held
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -230,7 +232,8 @@ def _worker_tsp2(rank, world_size, tmp):
 
 def _worker_tsp2_dp2(rank, world_size, tmp):
     _check_case(rank, world_size, tsp_size=2, steps=3, accum=1, on_meta=True, ckpt_dir=os.path.join(tmp, "ck"))
-    _check_case(rank, world_size, tsp_size=2, steps=2, accum=2, on_meta=False)
+    # offloaded checkpointing (a reentrant backward): the dp all-reduce hooks and accumulation still line up
+    _check_case(rank, world_size, tsp_size=2, steps=2, accum=2, on_meta=False, checkpointing="offload")
 
 
 def _worker_tsp3(rank, world_size, tmp):

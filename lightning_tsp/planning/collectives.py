@@ -137,7 +137,8 @@ def tsp_layer_collectives(
     zigzag half), D-1 MLP ring sends. Backward: D broadcasts again, 2D K/V all-gathers again (gathered K/V are
     not saved), 2D dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad all-reduces of h fp32, D-1 MLP weight sends
     (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
-    backward (one more forward's worth); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
+    backward (one more forward's worth); "offload" the same without the K/V all-gathers (the attention outputs are
+    replayed); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
     Returns phase -> op -> bytes (``what="bytes"``) or number of calls (``what="calls"``).
     """
     _check_what(what)
@@ -162,10 +163,12 @@ def tsp_layer_collectives(
     b["all_reduce"] = 2 * (shape.hidden_size * G_BYTES if by else 1)
     b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
     out = add_tallies(fwd, bwd)
-    if checkpointing in ("full", "offload"):  # offload: full checkpointing, inputs in host memory
+    if checkpointing in ("full", "offload"):
         recompute = fwd["forward"]
         for op, v in recompute.items():
-            out["backward"][op] += v
+            # offload replays the attention outputs: its recomputation gathers no K/V
+            if not (checkpointing == "offload" and op == "all_gather_into_tensor"):
+                out["backward"][op] += v
     elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again
         out["backward"]["send"] += fwd["forward"]["send"]
     return out
