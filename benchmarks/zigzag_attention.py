@@ -47,7 +47,7 @@ def main() -> None:
     dev = torch.device("cuda")
     c = args.seq_len // (2 * args.tsp_size)
     names = [n for n in available_kernels(dev) if n != "math"]
-    print(f"| heads | p | Lq | Lk | " + " | ".join(f"{n} ms / TFLOP/s" for n in names) + " |")
+    print("| heads | p | Lq | Lk | " + " | ".join(f"{n} ms / TFLOP/s" for n in names) + " |")
     print("|" + " --- |" * (4 + len(names)))
     for h in args.heads:
         for p in args.ranks:

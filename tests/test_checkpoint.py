@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch

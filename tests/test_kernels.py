@@ -76,7 +76,7 @@ def test_zigzag_chunk_calls_equal_full_causal_attention(d):
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = naive_causal(qr, kr, vr)
     dq_ref, dk_ref, dv_ref = torch.autograd.grad(ref, (qr, kr, vr), do)
-    outs, dqs, dk, dv = [], [], 0, 0
+    outs, dk, dv = [], 0, 0
     for p in range(d):
         tsp = TSPGroup(None, p, d)  # only rank/size are used by the chunk calls
         q_loc, do_loc = zigzag_shard(q, d, p, dim=2), zigzag_shard(do, d, p, dim=2)

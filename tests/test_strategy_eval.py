@@ -13,7 +13,6 @@ Ranks are started like ``tests/test_strategy.py`` does (its helpers are reused).
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest

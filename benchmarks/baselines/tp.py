@@ -11,7 +11,6 @@ tp_sp: the same projections, but norms and the residual stream sharded over the 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,

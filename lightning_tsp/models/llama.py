@@ -7,7 +7,6 @@ plain unsharded model and issues no collective.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
