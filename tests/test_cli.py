@@ -83,8 +83,11 @@ def test_paper_recipe_settings():
     assert cfg["trainer"]["strategy"]["init_args"]["tsp_size"] == 8
     assert cfg["trainer"]["devices"] == 8 and cfg["trainer"]["precision"] == "bf16-mixed"
     model = cfg["model"]["init_args"]
-    assert model["preset"] == "paper-7b" and model["activation_checkpointing"] == "full"
+    assert model["preset"] == "paper-7b" and model["activation_checkpointing"] == "offload"
     assert cfg["data"]["init_args"]["seq_len"] == 131072 and cfg["data"]["init_args"]["batch_size"] == 1
+    long = print_config("--config", str(ROOT / "recipes" / "paper-7b-2m.yaml"))
+    assert long["model"]["init_args"]["activation_checkpointing"] == "offload"
+    assert long["model"]["init_args"]["kv_bucket_heads"] == 1 and long["data"]["init_args"]["seq_len"] == 2097152
 
 
 def test_strategy_string_is_expanded(tmp_path):
