@@ -110,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--micro-batch", type=int, default=1)
     g.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
     g.add_argument("--checkpointing", choices=("none", "full"), default="full")
+    g.add_argument("--tsp-checkpointing", choices=("none", "selective", "full", "offload"), default="offload",
+                   help="TSP rows' activation checkpointing: offload (default; TSP's leanest and, at long context, "
+                        "fastest mode: layer inputs and attention outputs in pinned host memory) or as the rivals")
     g.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach")
     g.add_argument("--attention-kernel", default="auto")
     g.add_argument("--sdpa-backend", default="auto")
@@ -165,7 +168,8 @@ def torchrun_cmd(args, worker_argv: list[str]) -> list[str]:
 
 _CHECK_OPTS = ("device", "backend", "check_sizes", "check_preset", "check_layers", "check_hidden", "check_seq",
                "check_batch", "check_steps", "check_checkpointing", "rtol_fp32", "rtol_bf16", "rtol_curve_fp32")
-_RUN_OPTS = ("device", "backend", "model", "layers", "micro_batch", "precision", "checkpointing", "optimizer",
+_RUN_OPTS = ("device", "backend", "model", "layers", "micro_batch", "precision", "checkpointing",
+             "tsp_checkpointing", "optimizer",
              "attention_kernel", "sdpa_backend", "fsdp_precision", "rmsnorm", "steps", "warmup")
 
 
@@ -604,13 +608,19 @@ def layouts(args) -> list[tuple[str, int | None, int | None]]:
     return out
 
 
+def checkpointing_for(args, strategy: str) -> str:
+    """The activation checkpointing of one strategy's rows: --tsp-checkpointing applies to TSP only."""
+    return args.tsp_checkpointing if strategy == "tsp" else args.checkpointing
+
+
 def harness_ns(args, strategy: str, seq: int, tp=None, sp=None) -> argparse.Namespace:
     """benchmarks/harness.py's namespace for the same configuration (its rows, FLOPs and fake-PG child)."""
     import harness
 
     argv = ["--strategy", strategy, "--seq-len", str(seq), "--model", args.model, "--world", str(args.nproc),
             "--micro-batch", str(args.micro_batch), "--precision", args.precision, "--checkpointing",
-            args.checkpointing, "--optimizer", args.optimizer, "--rmsnorm", args.rmsnorm, "--sdpa-backend",
+            checkpointing_for(args, strategy), "--optimizer", args.optimizer, "--rmsnorm", args.rmsnorm,
+            "--sdpa-backend",
             args.sdpa_backend, "--attention-kernel", args.attention_kernel, "--fsdp-precision", args.fsdp_precision,
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
             "--timeout-s", str(args.timeout_s), "--gpus-per-node", str(max(args.nproc, 1))]
@@ -634,7 +644,8 @@ def throughput_worker(args) -> None:
     hns = harness_ns(argparse.Namespace(**{**vars(args), "nproc": world}), args.strategy, args.seq, args.tp, args.sp)
     cfg = harness.model_config(hns)
     setup = Setup(cfg, args.strategy, world, rank, args.seq, args.micro_batch, tp=args.tp or 1, sp=args.sp or 1,
-                  checkpointing=args.checkpointing, device=dev, autocast=args.precision == "bf16-mixed",
+                  checkpointing=checkpointing_for(args, args.strategy), device=dev,
+                  autocast=args.precision == "bf16-mixed",
                   optimizer=args.optimizer, sdpa_backend=args.sdpa_backend, attention_kernel=args.attention_kernel,
                   fsdp_precision=args.fsdp_precision, norm=args.rmsnorm)
     rank_file = Path(args.result).with_name(f"{Path(args.result).stem}.rank{rank}.json")
@@ -704,6 +715,7 @@ def throughput_worker_argv(args, strategy, seq, tp, sp, result: Path) -> list[st
             "--warmup", str(args.warmup), "--pg-timeout-s", str(args.pg_timeout_s)]
     if args.layers is not None:
         argv += ["--layers", str(args.layers)]
+    argv += ["--tsp-checkpointing", args.tsp_checkpointing]
     if strategy == "tp_x_sp":
         argv += ["--tp", str(tp), "--sp", str(sp)]
     if args.simulate_oom_rank is not None:
@@ -943,7 +955,8 @@ def main(argv=None) -> int:
                   f"{args.backend})\n\n" + format_throughput_table(rows)
                   + f"\n\nModel {args.model}" + (f", {'; '.join(sorted(cuts))}" if cuts else "")
                   + f", micro-batch {args.micro_batch}, {args.precision}, {args.checkpointing} activation "
-                  f"checkpointing, AdamW ({args.optimizer}); step = median of {args.steps} timed steps after "
+                  + f"checkpointing (TSP: {args.tsp_checkpointing})"
+                  + f", AdamW ({args.optimizer}); step = median of {args.steps} timed steps after "
                   f"{args.warmup} warm-up (each the slowest rank's time), optimizer step included. Peak = "
                   "torch.cuda.max_memory_allocated, max over ranks (NCCL's own buffers are outside it: "
                   "device_used_gb in the JSON). Overlap efficiency = the same TSP step with the fake process "

@@ -69,6 +69,7 @@ def test_correctness_and_one_throughput_row_on_gloo(tmp_path):
     (tsp,) = [r for r in rows if r["kind"] == "throughput"]
     assert tsp["strategy"] == "tsp" and tsp["status"] == "ok" and tsp["world"] == 2 and tsp["seq_len"] == 256
     assert tsp["layout"] == "D=2 zigzag" and tsp["excluded"].startswith("nothing")
+    assert tsp["checkpointing"] == "offload"  # TSP's rows default to its offload mode (--tsp-checkpointing)
     assert tsp["tokens_per_s_per_gpu"] > 0 and tsp["model_tflops_per_gpu"] > 0
     assert len(tsp["step_times_s"]) == 1 and tsp["loss"] > 0
     assert tsp["peak_gb"] is None  # CPU: not measured
