@@ -218,9 +218,7 @@ def measure(args) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = runner.forward_backward()
-            runner.optimizer.step()
-            runner.optimizer.zero_grad(set_to_none=True)
+            loss = runner.step()
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0

@@ -662,9 +662,7 @@ def throughput_worker(args) -> None:
         for i in range(args.warmup + args.steps):
             _sync_all(dev)
             t0 = time.perf_counter()
-            loss = runner.forward_backward()
-            runner.optimizer.step()
-            runner.optimizer.zero_grad(set_to_none=True)
+            loss = runner.step()
             if cuda:
                 torch.cuda.synchronize()
             dt = _max_over_ranks(time.perf_counter() - t0, dev)  # the step ends when the slowest rank is done

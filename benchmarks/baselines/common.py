@@ -49,6 +49,13 @@ class Runner:
     layout: str
     notes: list[str] = field(default_factory=list)
 
+    def step(self) -> Tensor:
+        """One training step: forward + loss + backward, optimizer step, gradients released; returns the loss."""
+        loss = self.forward_backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
 
 def make_batch(setup: Setup) -> tuple[Tensor, Tensor]:
     """The global batch [B, S]: random token ids and next-token targets (last position ignored)."""

@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_tsp.layers.rope import rope_cos_sin
+
 
 @functools.lru_cache(maxsize=None)
 def _cudnn_sdpa_usable(device_index: int) -> bool:
@@ -46,14 +48,6 @@ def sdpa_context(x: Tensor, backend: str = "auto"):
     if backend == "cudnn" or _cudnn_sdpa_usable(x.device.index or 0):
         return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
     return contextlib.nullcontext()
-
-
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin [L, head_dim] for the given position ids (rotate-half convention), computed in fp32."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    ang = positions.to(torch.float32)[:, None] * inv[None, :]
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:

@@ -78,7 +78,8 @@ def gather_order(t: Tensor, d: int, dim: int) -> Tensor:
 
 def zigzag_calls(l: int, tsp: TSPGroup) -> list[tuple[slice, slice, slice | None]]:
     """(query rows of the local block, own-chunk key rows, prefix key rows or None) for this rank's calls, over a
-    gathered buffer in gather order. The call with the larger key range comes first."""
+    gathered buffer in gather order. The first call's keys (own chunk, then prefix) run contiguously to the end of
+    the buffer and cover the second call's keys."""
     if tsp.size == 1:
         return [(slice(0, l), slice(0, l), None)]
     c, d, p = l // 2, tsp.size, tsp.rank
@@ -165,13 +166,15 @@ def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp:
                               dq_out: Tensor | None = None, dk_out: Tensor | None = None,
                               dv_out: Tensor | None = None):
     """Gradients of :func:`zigzag_attention`: dq like q, dK/dV [B, Hkv, S, d] in gather order summed over this
-    rank's calls, in (at least) fp32. Rows no call touched are zero; the first call writes, the second adds."""
+    rank's calls, in (at least) fp32. The first call writes its key rows, the second adds into them (its keys lie
+    inside the first's, see :func:`zigzag_calls`); the rows before the first call's keys, which no call reads,
+    get zeros."""
     dq = torch.empty_like(q) if dq_out is None else dq_out
     acc = torch.promote_types(k.dtype, torch.float32)
     dk = torch.empty(k.shape, dtype=acc, device=k.device) if dk_out is None else dk_out
     dv = torch.empty(v.shape, dtype=acc, device=v.device) if dv_out is None else dv_out
-    written = bytearray(k.shape[2])  # host-side bookkeeping: key rows written so far
-    for rows, own, pre in zigzag_calls(q.shape[2], tsp):
+    calls = zigzag_calls(q.shape[2], tsp)
+    for i, (rows, own, pre) in enumerate(calls):
         k_pre, v_pre = (None, None) if pre is None else (k[:, :, pre], v[:, :, pre])
         lse_c = None if lse is None else lse[:, :, rows]
         dq_c, dk_own, dv_own, dk_pre, dv_pre = kernel.backward(
@@ -180,22 +183,15 @@ def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp:
         for key_rows, gk, gv in ((own, dk_own, dv_own), (pre, dk_pre, dv_pre)):
             if key_rows is None:
                 continue
-            seen = written[key_rows]
-            if 0 not in seen:
-                dk[:, :, key_rows] += gk
-                dv[:, :, key_rows] += gv
-            else:
-                assert 1 not in seen, "zigzag calls overlap partially"  # ruled out by zigzag_calls' order
+            if i == 0:
                 dk[:, :, key_rows] = gk
                 dv[:, :, key_rows] = gv
-                written[key_rows] = b"\x01" * len(seen)
-    start = written.find(0)
-    while start != -1:  # rows no call reads get a zero gradient
-        stop = written.find(1, start)
-        stop = len(written) if stop == -1 else stop
-        dk[:, :, start:stop] = 0
-        dv[:, :, start:stop] = 0
-        start = written.find(0, stop)
+            else:
+                dk[:, :, key_rows] += gk
+                dv[:, :, key_rows] += gv
+    unread = slice(0, calls[0][1].start)
+    dk[:, :, unread] = 0
+    dv[:, :, unread] = 0
     return dq, dk, dv
 
 
@@ -346,8 +342,8 @@ class BroadcastAttention(torch.autograd.Function):
             matmul_into(partial[offsets[3] : offsets[4]].view(h, nq * hd), dy2.T, o2)  # d Wo_j
             do = (dy2 @ w_o).view(b, l, nq, hd)
             dq = torch.empty_like(q)
+            dk = torch.empty(b, l, nkv, hd, dtype=x.dtype, device=x.device)
             dqkv = torch.empty(b, l, nq + 2 * nkv, hd, dtype=x.dtype, device=x.device)
-            dkv_local = []
             for i, (kvs, qs) in enumerate(buckets):
                 g = kv.wait()
                 if i + 1 < len(buckets):
@@ -359,14 +355,12 @@ class BroadcastAttention(torch.autograd.Function):
                     _bhld(o[:, :, qs]), None if lse is None else lse[:, qs], tsp,
                     dq_out=_bhld(dq[:, :, qs]), dk_out=_bhld(dg[:, :, :n]), dv_out=_bhld(dg[:, :, n:]))
                 del g
-                dkv_local.append(scatter_kv_grad(dg, tsp))  # to the token owners, fp32
+                dkv = scatter_kv_grad(dg, tsp)  # to the token owners, fp32
                 del dg
-            dk = torch.cat([t[:, :, : t.shape[2] // 2] for t in dkv_local], dim=2) if len(dkv_local) > 1 \
-                else dkv_local[0][:, :, :nkv]
-            dv = torch.cat([t[:, :, t.shape[2] // 2 :] for t in dkv_local], dim=2) if len(dkv_local) > 1 \
-                else dkv_local[0][:, :, nkv:]
+                dk[:, :, kvs] = dkv[:, :, :n]
+                dqkv[:, :, nq + nkv + kvs.start : nq + nkv + kvs.stop] = dkv[:, :, n:]  # dv needs no more work
             dq = apply_rope_backward(dq, cos4, sin4)
-            dk = apply_rope_backward(dk.to(x.dtype), cos4, sin4)
+            dk = apply_rope_backward(dk, cos4, sin4)
             if spec.qk_norm:
                 grads = []
                 for i, (g, t_raw) in enumerate(zip((dq, dk), raw)):
@@ -376,7 +370,6 @@ class BroadcastAttention(torch.autograd.Function):
                 dq, dk = grads
             dqkv[:, :, :nq] = dq
             dqkv[:, :, nq : nq + nkv] = dk
-            dqkv[:, :, nq + nkv :] = dv
             dqkv2 = dqkv.view(b * l, n_qkv)
             add_matmul_(dx, dqkv2, w_qkv)  # one GEMM for the q, k and v input gradients
             matmul_into(partial[:n_qkv * h].view(n_qkv, h), dqkv2.T, x2)  # d Wq_j, d Wk_j, d Wv_j
