@@ -26,7 +26,7 @@ from torch import Tensor
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, all_to_all
 from lightning_tsp.inference.vocab import acc_dtype, embed_tokens
-from lightning_tsp.layers.rope import apply_rope, rope_cos_sin
+from lightning_tsp.layers.rope import apply_rope
 from lightning_tsp.schedules.comm import local_tensor
 
 
@@ -87,7 +87,7 @@ def decode_step(model, cache: KVCache, tokens: Tensor) -> Tensor:
     [B, h], replicated on every rank. Updates only ``cache``."""
     cfg = model.cfg
     x = embed_tokens(model, tokens)
-    cos, sin = rope_cos_sin(cache.next_positions(), cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, d]
+    cos, sin = model.rope(cache.next_positions(), x.dtype)  # [B, d]
     cos, sin = cos[:, None, :], sin[:, None, :]
     slot = cache.claim_slot()
     for i, layer in enumerate(model.model.layers):

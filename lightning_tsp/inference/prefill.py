@@ -24,7 +24,7 @@ from lightning_tsp.inference.vocab import acc_dtype
 from lightning_tsp.kernels.attention import select_attention_kernel
 from lightning_tsp.kernels.gemm import add_matmul_
 from lightning_tsp.layers.attention import KVGather, _AttnSpec, attend, kv_blocks, project_qkv
-from lightning_tsp.layers.rope import apply_rope, rope_cos_sin
+from lightning_tsp.layers.rope import apply_rope
 from lightning_tsp.schedules.broadcast import broadcast_shards
 from lightning_tsp.schedules.comm import local_tensor, pack, unpack
 from lightning_tsp.zigzag import zigzag_positions, zigzag_shard
@@ -73,7 +73,7 @@ def prefill(model, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -
     ids = zigzag_shard(padded_ids, d, p)
     positions = zigzag_positions(s, d, p, device=device)
     x = model.model.embed_tokens(ids)
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = model.rope(positions, x.dtype)
     cache = KVCache.allocate(
         n_layers=cfg.n_layers, batch=b, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         prefill_slots=s // d, decode_steps=decode_steps, rank=p, size=d, prompt_lens=prompt_lens,

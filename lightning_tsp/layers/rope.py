@@ -6,10 +6,13 @@ import torch
 from torch import Tensor
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [L, head_dim] for the given global positions [L] (computed in fp32, then cast)."""
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [..., head_dim] for the given global positions [...] (computed in fp32, then cast)."""
+    if scaling is not None:
+        raise NotImplementedError("scaled RoPE")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

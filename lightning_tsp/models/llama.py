@@ -34,6 +34,7 @@ class ModelConfig:
     n_kv_heads: int = 2
     intermediate_size: int = 192
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # scaled RoPE, Hugging Face form: {"rope_type": "llama3" | "yarn" | "linear", ...}
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -234,7 +235,7 @@ class TSPLlama(nn.Module):
         x = self.model.embed_tokens(input_ids)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        cos, sin = self.rope(position_ids, dtype)
         for layer in self.model.layers:
             mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
             if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
@@ -244,6 +245,12 @@ class TSPLlama(nn.Module):
             else:
                 x = layer(x, cos, sin, checkpoint_mlp=mode == "selective")
         return self.model.norm(x)
+
+    def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., d] of the rotary embedding at the given global positions (training, prefill and decode
+        all take their tables from here)."""
+        cfg = self.cfg
+        return rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
 
     def token_losses(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor) -> Tensor:
         """Per-token cross-entropy [B, S/D] (0 where the target is ignored), i.e. minus the target log-prob."""
