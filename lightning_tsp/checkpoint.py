@@ -106,7 +106,8 @@ def module_metadata(root: torch.nn.Module, tsp_size: int = 1, data_parallel_size
             "model_config": dataclasses.asdict(module.cfg),
             "hf_config": _hf_config_dict(module),
             "parameters": {
-                n: {"shape": list(module.get_parameter(n).shape), "shard_dim": dims[n]} for n in sorted(dims)
+                n: {"shape": list(module.get_parameter(n).shape), "shard_dim": dims[n],
+                    "replicas": module.replicas(n)} for n in sorted(dims)
             },
         })
     return {
@@ -148,6 +149,13 @@ def saved_top_level_keys(path: _PathLike) -> set[str]:
     return {name.split(".", 1)[0] for name in FileSystemReader(str(path)).read_metadata().state_dict_metadata}
 
 
+_REPLICA_HINT = (
+    ", or it holds KV heads replicated over the TSP group (n_kv_heads < tsp_size), whose sharded form depends on "
+    "tsp_size: resume with the tsp_size it was saved with, or consolidate it (lightning-tsp consolidate) and start "
+    "from the full weights."
+)
+
+
 def check_state_compatible(
     expected: Mapping[str, tuple[int, ...]], saved: Mapping[str, tuple[int, ...]], strict: bool, source: str
 ) -> None:
@@ -159,7 +167,8 @@ def check_state_compatible(
         more = f" ({len(mismatched) - 1} more mismatches)" if len(mismatched) > 1 else ""
         raise TSPConfigError(
             f"checkpoint {source} does not fit this model: parameter {name!r} has shape {got} in the checkpoint but "
-            f"{want} in the model{more}. The checkpoint is from another model configuration."
+            f"{want} in the model{more}. The checkpoint is from another model configuration"
+            + (_REPLICA_HINT if any(k in name for k in ("k_proj", "v_proj")) else ".")
         )
     if strict:
         missing = sorted(set(expected) - set(saved))
@@ -266,7 +275,18 @@ def load_full_model_state(checkpoint: _PathLike, prefix: Optional[str] = None) -
     if module is not None:  # the saved parameter list is the ground truth: complete, same shapes
         want = {n: tuple(p["shape"]) for n, p in module["parameters"].items()}
         check_state_compatible(want, {k: tuple(v.shape) for k, v in state.items()}, strict=True, source=str(path))
+        state = _drop_replicas(state, module, metadata.get("tsp_size", 1))
     return state, (module or {})
+
+
+def _drop_replicas(state: dict[str, Tensor], module: dict, tsp_size: int) -> dict[str, Tensor]:
+    """A KV head replicated on r ranks is saved r times (one shard per rank): keep one copy of each."""
+    out = dict(state)
+    for name, info in module["parameters"].items():
+        r, dim = info.get("replicas", 1), info.get("shard_dim")
+        if r > 1 and dim is not None and name in out:
+            out[name] = torch.cat(out[name].chunk(tsp_size, dim=dim)[::r], dim=dim)
+    return out
 
 
 def consolidate(

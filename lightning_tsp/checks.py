@@ -29,10 +29,11 @@ def check_model_shape(
             f"n_heads={n_heads} is not divisible by tsp_size={d}: each rank owns n_heads/D query heads. "
             f"Choose a tsp_size that divides {n_heads}."
         )
-    if n_kv_heads % d != 0:
+    if n_kv_heads % d != 0 and d % n_kv_heads != 0:
         raise TSPConfigError(
-            f"n_kv_heads={n_kv_heads} is not divisible by tsp_size={d}: each rank owns n_kv_heads/D key/value "
-            f"heads and KV-head replication is not supported. Choose a tsp_size that divides {n_kv_heads}."
+            f"n_kv_heads={n_kv_heads} and tsp_size={d}: each rank owns n_kv_heads/D key/value heads, or, with fewer KV "
+            f"heads than ranks, a copy of one (D a multiple of n_kv_heads). Choose a tsp_size that divides "
+            f"{n_kv_heads} or is a multiple of it."
         )
     if intermediate_size % d != 0:
         raise TSPConfigError(

@@ -23,7 +23,23 @@ def batch(cfg: ModelConfig, b: int, s: int, seed: int = 0, n_ignored: int = 3) -
 
 def full_grads(model: TSPLlama) -> dict[str, torch.Tensor]:
     dims = model.shard_dims()
-    return {n: gather_full(p.grad, dims[n], model.tsp) for n, p in model.named_parameters()}
+    return {n: gather_full(p.grad, dims[n], model.tsp, model.replicas(n)) for n, p in model.named_parameters()}
+
+
+def assert_replicas_identical(model: TSPLlama, what: str = "") -> None:
+    """Every copy of a replicated shard (a KV head on D / n_kv ranks) is bit-identical, and so is its gradient."""
+    dims = model.shard_dims()
+    for n, p in model.named_parameters():
+        r = model.replicas(n)
+        if r == 1 or dims[n] is None:
+            continue
+        for t, kind in ((p, "value"), (p.grad, "grad")):
+            if t is None:
+                continue
+            parts = [torch.empty_like(t) for _ in range(model.tsp.size)]
+            dist.all_gather(parts, t.detach().contiguous(), group=model.tsp.group)
+            for i in range(model.tsp.size):
+                assert torch.equal(parts[i], parts[i - i % r]), f"{what} {n} {kind}: replica {i} drifted"
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-9, atol: float = 1e-12):

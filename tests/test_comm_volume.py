@@ -15,7 +15,7 @@ from lightning_tsp.planning.collectives import tsp_step_collectives
 from lightning_tsp.planning.model import ModelShape
 from tests.dist_utils import run_distributed
 from tests.reference import batch, world_tsp
-from tests.test_equivalence import shapes_for
+from tests.test_equivalence import replicated, shapes_for
 
 B, S = 1, 24
 
@@ -82,29 +82,32 @@ def _nonzero(tally: dict) -> dict:
 
 
 def _worker(rank: int, world_size: int) -> None:
-    for tie in (False, True):
-        for checkpointing in ("none", "selective", "full", "offload") if not tie else ("none",):
-            cfg = shapes_for(world_size, gqa=True, tie=tie)
-            model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float32)
-            ids, labels = batch(cfg, B, S)
-            inputs = model.shard_batch(ids, labels)
-            counter = CollectiveCounter()
-            with counter.installed():
-                counter.phase = "forward"
-                loss = model(*inputs)
-                counter.phase = "backward"
-                loss.backward()
-                counter.phase = None
-            shape = ModelShape(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
-                               n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                               intermediate_size=cfg.intermediate_size, tie_word_embeddings=tie)
-            for kind in ("calls", "bytes"):
-                want = tsp_step_collectives(shape, B, S, world_size, 4, True, checkpointing, what=kind)
-                want = _nonzero(want)
-                if kind == "bytes":  # the loss all-reduces: a float64 token count and an fp32 loss sum
-                    want["forward"]["all_reduce"] -= 16 - (8 + 4)
-                got = counter.as_tally(kind)
-                assert got == want, f"tie={tie} ckpt={checkpointing} {kind}: counted {got} != model {want}"
+    cases = [(shapes_for(world_size, gqa=True, tie=False), c) for c in ("none", "selective", "full", "offload")]
+    cases.append((shapes_for(world_size, gqa=True, tie=True), "none"))
+    # one KV head replicated on every rank: K/V gathered and reduce-scattered once, one replica all-reduce
+    cases += [(replicated(world_size, 1), c) for c in ("none", "offload")]
+    for cfg, checkpointing in cases:
+        tie = cfg.tie_embeddings
+        model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float32)
+        ids, labels = batch(cfg, B, S)
+        inputs = model.shard_batch(ids, labels)
+        counter = CollectiveCounter()
+        with counter.installed():
+            counter.phase = "forward"
+            loss = model(*inputs)
+            counter.phase = "backward"
+            loss.backward()
+            counter.phase = None
+        shape = ModelShape(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
+                           n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                           intermediate_size=cfg.intermediate_size, tie_word_embeddings=tie)
+        for kind in ("calls", "bytes"):
+            want = tsp_step_collectives(shape, B, S, world_size, 4, True, checkpointing, what=kind)
+            want = _nonzero(want)
+            if kind == "bytes":  # the loss all-reduces: a float64 token count and an fp32 loss sum
+                want["forward"]["all_reduce"] -= 16 - (8 + 4)
+            got = counter.as_tally(kind)
+            assert got == want, f"tie={tie} ckpt={checkpointing} {kind}: counted {got} != model {want}"
 
 
 @pytest.mark.parametrize("d", [2, 3])

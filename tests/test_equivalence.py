@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning_tsp import TSPLlama, zigzag_unshard
 from lightning_tsp.models.llama import ModelConfig
 from tests.dist_utils import run_distributed
-from tests.reference import assert_close, batch, full_grads, world_tsp
+from tests.reference import assert_close, assert_replicas_identical, batch, full_grads, world_tsp
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 B, S = 2, 24
@@ -146,6 +146,48 @@ def _worker(rank: int, world_size: int) -> None:
         check_case(dataclasses.replace(shapes_for(world_size, True), attention_bias=True), "full")
         check_case(dataclasses.replace(shapes_for(world_size, True), qk_norm=True, head_dim=12), "none")
     check_loss_curve(shapes_for(world_size, True))
+    _replicated_kv_cases(world_size)
+
+
+def replicated(d: int, n_kv: int, group: int = 2, **overrides) -> ModelConfig:
+    """Fewer KV heads than ranks (D a multiple of n_kv): each KV head replicated on D / n_kv ranks."""
+    n_heads = group * d
+    return ModelConfig(vocab_size=240, hidden_size=8 * n_heads, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv,
+                       intermediate_size=96, **overrides)
+
+
+def _replicated_kv_cases(world_size: int) -> None:
+    """KV-head replication: MQA (n_kv = 1) at every D, n_kv = 2 at D = 4; biases, q/k norms, bucketing,
+    checkpointing; loss and every gradient vs D = 1 and Hugging Face, then an optimizer curve with the replicas
+    checked bit-identical after every step (replicas that drift apart break the model silently)."""
+    cases = [replicated(world_size, 1)]
+    if world_size == 4:
+        cases.append(replicated(world_size, 2))
+    for cfg in cases:
+        check_case(cfg, "none")
+        check_case(cfg, "full", b=1)
+    check_case(replicated(world_size, 1, attention_bias=True), "offload")
+    check_case(replicated(world_size, 1, qk_norm=True, head_dim=12), "selective")
+    cfg = cases[-1]
+    model = TSPLlama(cfg, world_tsp(), dtype=torch.float64)
+    ref = TSPLlama(cfg, None, dtype=torch.float64)
+    curves = []
+    for m in (ref, model):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        curve = []
+        for step in range(4):
+            ids, labels = batch(cfg, B, S, seed=step % 2)
+            loss = m(*m.shard_batch(ids, labels))
+            loss.backward()
+            if m is model:
+                assert_replicas_identical(model, f"step {step}")
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.detach())
+        curves.append(torch.stack(curve))
+    assert_replicas_identical(model, "after training")
+    assert_close(f"D={world_size} replicated-KV loss curve", curves[1], curves[0], 1e-10)
+    assert curves[0][2] < curves[0][0], "the reference did not learn (same batch, two steps apart)"
 
 
 @pytest.mark.parametrize("gqa", [False, True])

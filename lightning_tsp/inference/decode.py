@@ -2,9 +2,10 @@
 
 The new token's hidden state x [B, h] is replicated on every rank (it is tiny). Per layer:
 
-1. Rank j projects x with its OWN head group: q_j [B, n_q/D, d], k_j, v_j [B, n_kv/D, d]; RoPE at the token's
-   position. One all-gather of the packed [q_j, k_j, v_j] gives every rank all heads' q (and k/v; only the rank
-   that stores this step's token writes them into its cache slot).
+1. Rank j projects x with its OWN head group (the training layer's projection code: biases, q/k norms, RoPE
+   variant): q_j [B, n_q/D, d], k_j, v_j [B, n_kv/D, d] (or its copy of a replicated KV head). One all-gather of
+   the packed [q_j, k_j, v_j] gives every rank all heads' q (and k/v; only the rank that stores this step's token
+   writes them, one copy per KV head, into its cache slot).
 2. Every rank scores ALL query heads against its LOCAL cache slice (all heads, its own tokens), masked to the
    filled slots: a partial output o_p [B, n_q, d] and its log-sum-exp lse_p [B, n_q] (fp32, fp64 stays fp64).
 3. One all-to-all sends the partials of head group j to rank j: [B, n_q/D, d+1] per peer.
@@ -17,6 +18,7 @@ Embedding: owned vocab rows + all-reduce; LM head: local logits [B, V/D] (see ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -26,6 +28,7 @@ from torch import Tensor
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, all_to_all
 from lightning_tsp.inference.vocab import acc_dtype, embed_tokens
+from lightning_tsp.layers.attention import kv_blocks, project_qkv
 from lightning_tsp.layers.rope import apply_rope
 from lightning_tsp.schedules.comm import local_tensor
 
@@ -53,24 +56,31 @@ def merge_partials(o: Tensor, lse: Tensor) -> Tensor:
 
 def attention_decode(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                      cache: KVCache, slot: int | None) -> Tensor:
-    tsp, nq, nkv, hd = attn.tsp, attn.n_heads, attn.n_kv_heads, attn.head_dim
-    d = tsp.size
+    """x [B, h] (replicated), cos/sin [B, d] of the new tokens' positions. The owner's projection is the training
+    layer's (:func:`~lightning_tsp.layers.attention.project_qkv`, :func:`~lightning_tsp.layers.attention.kv_blocks`)
+    on its own parameters; the K/V source is every rank's cache slice."""
+    tsp, d = attn.tsp, attn.tsp.size
+    spec = dataclasses.replace(attn.spec(x.device, x.dtype), kv_bucket=None)  # one token: one bucket
+    lay = spec.layout
+    nq, nkv, hd, r = lay.n_heads, lay.n_kv_heads, lay.head_dim, lay.kv_replicas
     b = x.shape[0]
-    wq, wk, wv, wo = (local_tensor(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
-    q = apply_rope((x @ wq.T).view(b, nq, hd), cos, sin)
-    k = apply_rope((x @ wk.T).view(b, nkv, hd), cos, sin)
-    v = (x @ wv.T).view(b, nkv, hd)
-    qkv = all_gather_stack(torch.cat([q, k, v], dim=1), tsp)  # [D, B, nq+2nkv, d]
+    cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # broadcast against [B, 1, n, d]
+    view = lay.params_view([p.to(x.dtype) for p in attn.shard_params()])
+    p = project_qkv(spec, view, x, [w.to(x.dtype) for w in attn.norm_params()], b, 1)
+    kv = kv_blocks(spec, p.k, p.v, cos, sin)[0][:, 0]  # [B, 2 nkv, d]
+    q = apply_rope(p.q, cos, sin)[:, 0]  # [B, nq, d]
+    qkv = all_gather_stack(torch.cat([q, kv], dim=1), tsp)  # [D, B, nq + 2 nkv, d]
     q_all = qkv[:, :, :nq].transpose(0, 1).reshape(b, d * nq, hd)  # head order = Hugging Face order
-    if slot is not None:
-        k_cache[:, :, slot] = qkv[:, :, nq : nq + nkv].transpose(0, 1).reshape(b, d * nkv, hd)
-        v_cache[:, :, slot] = qkv[:, :, nq + nkv :].transpose(0, 1).reshape(b, d * nkv, hd)
+    if slot is not None:  # one copy of each KV group (its first owner's)
+        kv_all = qkv[::r, :, nq:].transpose(0, 1)  # [B, n_kv / nkv, 2 nkv, d]
+        k_cache[:, :, slot] = kv_all[:, :, :nkv].reshape(b, -1, hd)
+        v_cache[:, :, slot] = kv_all[:, :, nkv:].reshape(b, -1, hd)
     n = cache.length
     o, lse = partial_attention(q_all, k_cache[:, :, :n], v_cache[:, :, :n], cache.valid())
     send = torch.cat([o, lse.unsqueeze(-1)], dim=-1).view(b, d, nq, hd + 1).transpose(0, 1)  # [D, B, nq, d+1]
     recv = all_to_all(send, tsp)  # row p: rank p's partials for MY heads
     o_mine = merge_partials(recv[..., :hd], recv[..., hd])  # [B, nq, d]
-    y = o_mine.reshape(b, nq * hd).to(x.dtype) @ wo.T
+    y = o_mine.reshape(b, nq * hd).to(x.dtype) @ view.w_o.T
     return all_reduce_(y.to(acc_dtype(x.dtype)), tsp).to(x.dtype)
 
 
@@ -88,7 +98,6 @@ def decode_step(model, cache: KVCache, tokens: Tensor) -> Tensor:
     cfg = model.cfg
     x = embed_tokens(model, tokens)
     cos, sin = model.rope(cache.next_positions(), x.dtype)  # [B, d]
-    cos, sin = cos[:, None, :], sin[:, None, :]
     slot = cache.claim_slot()
     for i, layer in enumerate(model.model.layers):
         x = x + attention_decode(layer.self_attn, layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i],

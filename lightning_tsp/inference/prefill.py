@@ -6,11 +6,10 @@ Under a causal mask a real token only sees earlier slots, which are all real, so
 padding mask and runs the training kernels unchanged; pad slots are marked empty (position -1) in the cache and
 masked out during decoding.
 
-The attention is the training broadcast schedule without backward: for each owner j the packed shard
-[Wq_j; Wk_j; Wv_j; Wo_j] is broadcast, every rank projects its local tokens, rotates q/k with their global
-positions, all-gathers k/v over the sequence, runs its two zigzag chunks and accumulates o_j Wo_j^T. Besides, the
-local (post-RoPE) k/v of head group j are written into the cache at heads [j n_kv/D, (j+1) n_kv/D). The MLP
-(ring schedule), embedding (vocab ring) and norms are the model's own modules run under ``no_grad``.
+The attention is the training layer's broadcast schedule itself (``layers.attention.broadcast_attention``, the
+same projection code: biases, q/k norms, RoPE variant, GQA and replicated KV heads), run without saving anything;
+its K/V sink writes each KV group's local (post-RoPE) k/v into the cache. The MLP (ring schedule), embedding
+(vocab ring) and norms are the model's own modules run under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -20,41 +19,30 @@ from torch import Tensor
 
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_reduce_
-from lightning_tsp.inference.vocab import acc_dtype
-from lightning_tsp.kernels.attention import select_attention_kernel
-from lightning_tsp.kernels.gemm import add_matmul_
-from lightning_tsp.layers.attention import KVGather, _AttnSpec, attend, kv_blocks, project_qkv
-from lightning_tsp.layers.rope import apply_rope
-from lightning_tsp.schedules.broadcast import broadcast_shards
-from lightning_tsp.schedules.comm import local_tensor, pack, unpack
+from lightning_tsp.layers.attention import broadcast_attention
+from lightning_tsp.schedules.comm import pack
 from lightning_tsp.zigzag import zigzag_positions, zigzag_shard
 
 
 def attention_prefill(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-    """Broadcast-schedule attention of local tokens x [B, L, h]; writes every head group's local k/v into
-    ``k_cache``/``v_cache`` [B, n_kv, >=L, d] (slots 0..L-1). Returns the attention output [B, L, h]."""
-    tsp, nq, nkv, hd = attn.tsp, attn.n_heads, attn.n_kv_heads, attn.head_dim
-    kernel = select_attention_kernel(x.device, attn.kernel_name, x.dtype)
-    spec = _AttnSpec(tsp, nq, nkv, hd, kernel, kv_bucket=attn.kv_bucket_heads)
-    b, l, h = x.shape
-    x2 = x.reshape(b * l, h)
-    w = [local_tensor(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
-    shapes = [t.shape for t in w]
-    cos4, sin4 = cos[:, None], sin[:, None]
-    y = torch.zeros(b * l, h, dtype=acc_dtype(x.dtype), device=x.device)
-    for j, buf in broadcast_shards(tsp, pack(w, x.dtype)):
-        w_o = unpack(buf, shapes)[3]
-        _, _, q, k, v = project_qkv(spec, x2, buf, shapes, [], b, l)
-        blocks = kv_blocks(spec, k, v, cos4, sin4)
-        first = KVGather(blocks[0], tsp)
+    """The layer's own broadcast schedule (:func:`~lightning_tsp.layers.attention.broadcast_attention`, forward
+    only) over local tokens x [B, L, h]; every KV group's local RoPE'd k/v land in ``k_cache``/``v_cache``
+    [B, n_kv, >=L, d] (slots 0..L-1). Returns the attention output [B, L, h]."""
+    spec = attn.spec(x.device, x.dtype)
+    nkv, l = spec.layout.n_kv_heads, x.shape[1]
+
+    def into_cache(group: int, blocks: list[Tensor]) -> None:
         for (kvs, _), blk in zip(spec.buckets(), blocks):
             n = kvs.stop - kvs.start
-            heads = slice(j * nkv + kvs.start, j * nkv + kvs.stop)
+            heads = slice(group * nkv + kvs.start, group * nkv + kvs.stop)
             k_cache[:, heads, :l] = blk[:, :, :n].transpose(1, 2)
             v_cache[:, heads, :l] = blk[:, :, n:].transpose(1, 2)
-        o, _ = attend(spec, apply_rope(q, cos4, sin4), blocks, first, want_lse=False)
-        add_matmul_(y, o.view(b * l, nq * hd), w_o.T)
-    return y.view(b, l, h).to(x.dtype)
+
+    shard = pack(attn.shard_params(), x.dtype)
+    norms = [w.to(x.dtype) for w in attn.norm_params()]
+    y, _, _ = broadcast_attention(spec, x, cos.unsqueeze(-2), sin.unsqueeze(-2), shard, norms, kv_sink=into_cache,
+                                  save=False)
+    return y
 
 
 @torch.no_grad()

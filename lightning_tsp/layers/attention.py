@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -30,27 +31,6 @@ from lightning_tsp.schedules.comm import (
     reduce_scatter,
     unpack,
 )
-
-
-@dataclass(frozen=True)
-class _AttnSpec:
-    tsp: TSPGroup
-    n_heads: int  # local query heads
-    n_kv_heads: int  # local KV heads
-    head_dim: int
-    kernel: AttentionKernel
-    bias: bool = False  # q/k/v biases (Qwen2), sharded with their heads
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3), replicated weights [head_dim]
-    eps: float = 1e-6
-    kv_bucket: int | None = None  # local KV heads gathered at once (head bucketing); None: all of them
-    stash: AttentionStash | None = None  # attention outputs recorded by a forward / replayed by its recompute
-
-    def buckets(self) -> list[tuple[slice, slice]]:
-        """(KV-head slice, query-head slice) per bucket of the local head group."""
-        n = self.kv_bucket or self.n_kv_heads
-        g = self.n_heads // self.n_kv_heads
-        return [(slice(a, min(a + n, self.n_kv_heads)), slice(a * g, min(a + n, self.n_kv_heads) * g))
-                for a in range(0, self.n_kv_heads, n)]
 
 
 # ---- K/V exchange over the sequence ------------------------------------------------------------------------
@@ -195,7 +175,107 @@ def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp:
     return dq, dk, dv
 
 
-# ---- autograd function ----------------------------------------------------------------------------------------
+# ---- the head group: what one owner holds -------------------------------------------------------------------
+
+
+class ShardView(NamedTuple):
+    """Named views of one head group's weights: of a packed shard (or its gradient, same layout), or of the
+    owner's own parameters (:meth:`HeadLayout.params_view`, tuples of q/k/v pieces, nothing copied)."""
+
+    w_qkv: Tensor | tuple[Tensor, ...]  # [(nq + 2 nkv) d, h]: q rows, then K rows, then V rows (one GEMM)
+    w_o: Tensor  # [h, nq d]: the matching columns of o_proj
+    b_qkv: Tensor | tuple[Tensor, ...] | None  # [(nq + 2 nkv) d] q/k/v biases (Qwen2), None without
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """One head group (what one owner holds) and its packed shard, the one message the broadcast schedule sends.
+
+    The shard is ``[Wq; Wk; Wv]``, ``Wo``, then with biases ``[bq; bk; bv]``, flattened in that order (the order of
+    :meth:`TSPAttention.shard_params`). With fewer KV heads than ranks, ``kv_replicas`` = D / n_kv consecutive
+    owners form one KV group: each holds a copy of the group's KV head (``n_kv_heads`` = 1) and its own query heads.
+    """
+
+    hidden: int
+    n_heads: int  # query heads of the group (n_q / D)
+    n_kv_heads: int  # KV heads of the group (n_kv / D; 1 when replicated)
+    head_dim: int
+    bias: bool = False
+    kv_replicas: int = 1
+
+    @property
+    def q_rows(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_rows(self) -> int:
+        return self.q_rows + 2 * self.kv_rows
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the packed pieces, in packing order (wq, wk, wv, wo[, bq, bk, bv])."""
+        h, q, kv = self.hidden, self.q_rows, self.kv_rows
+        return [(q, h), (kv, h), (kv, h), (h, q)] + ([(q,), (kv,), (kv,)] if self.bias else [])
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes())
+
+    def view(self, buf: Tensor) -> ShardView:
+        h, rows, o = self.hidden, self.qkv_rows, self.hidden * self.q_rows
+        return ShardView(buf[: rows * h].view(rows, h), buf[rows * h : rows * h + o].view(h, self.q_rows),
+                         buf[rows * h + o : rows * h + o + rows] if self.bias else None)
+
+    def params_view(self, params: list[Tensor]) -> ShardView:
+        """A view of the sharded parameters themselves (``TSPAttention.shard_params`` order), without packing."""
+        return ShardView(tuple(params[:3]), params[3], tuple(params[4:7]) if self.bias else None)
+
+    def kv_view(self, buf: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The K/V rows of a shard-shaped buffer: (weights [2 kv d, h], biases [2 kv d] or None)."""
+        v = self.view(buf)
+        return v.w_qkv[self.q_rows :], None if v.b_qkv is None else v.b_qkv[self.q_rows :]
+
+    @property
+    def kv_numel(self) -> int:
+        """Elements of one KV group's own parameters (K/V rows and biases): what replicas sum over the group."""
+        return 2 * self.kv_rows * (self.hidden + int(self.bias))
+
+    def kv_group(self, owner: int) -> int:
+        return owner // self.kv_replicas
+
+    def starts_group(self, owner: int) -> bool:
+        """Owner ``owner`` is the first of its KV group: its K/V are projected and exchanged."""
+        return owner % self.kv_replicas == 0
+
+    def ends_group(self, owner: int) -> bool:
+        """The last owner of its KV group: the group's K/V gradients are complete after its queries."""
+        return owner % self.kv_replicas == self.kv_replicas - 1
+
+
+@dataclass(frozen=True)
+class _AttnSpec:
+    """One attention call's settings: the static layout plus what the call runs with."""
+
+    tsp: TSPGroup
+    layout: HeadLayout
+    kernel: AttentionKernel
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3), replicated weights [head_dim]
+    eps: float = 1e-6
+    kv_bucket: int | None = None  # local KV heads gathered at once (head bucketing); None: all of them
+    stash: AttentionStash | None = None  # attention outputs recorded by a forward / replayed by its recompute
+
+    def buckets(self) -> list[tuple[slice, slice]]:
+        """(KV-head slice, query-head slice) per bucket of the local head group."""
+        nkv = self.layout.n_kv_heads
+        n = self.kv_bucket or nkv
+        g = self.layout.n_heads // nkv
+        return [(slice(a, min(a + n, nkv)), slice(a * g, min(a + n, nkv) * g)) for a in range(0, nkv, n)]
+
+
+# ---- per-shard projection (training, prefill and decode) ----------------------------------------------------
 
 
 def _head_rms(t: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -212,32 +292,44 @@ def _head_rms_backward(grad: Tensor, t: Tensor, eps: float) -> tuple[Tensor, Ten
     return (r * (g - t_hat * (g * t_hat).mean(-1, keepdim=True))).to(t.dtype), t_hat
 
 
-def _bhld(t: Tensor) -> Tensor:
-    return t.transpose(1, 2)  # [B, L, H, d] memory -> the kernels' [B, H, L, d] view
+class Projection(NamedTuple):
+    """A head group's projections of the local tokens, [B, L, n, d] views (K/V None when not projected)."""
+
+    q_raw: Tensor  # before the q norm (what its backward needs)
+    k_raw: Tensor | None
+    q: Tensor  # after the optional q norm, before RoPE
+    k: Tensor | None
+    v: Tensor | None
 
 
-def project_qkv(spec: _AttnSpec, x2: Tensor, buf: Tensor, shapes, norms, b: int, l: int):
-    """One GEMM for q, k, v of head group j (their rows are consecutive in the packed shard ``buf``).
-    Returns (q_raw, k_raw, q_in, k_in, v) as [B, L, n, d] views; *_in are after the optional per-head norms."""
-    nq, nkv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
-    rows = (nq + 2 * nkv) * hd
-    w_qkv = buf[: rows * x2.shape[1]].view(rows, x2.shape[1])
-    if spec.bias:
-        off = sum(math.prod(s) for s in shapes[:4])
-        qkv = torch.addmm(buf[off : off + rows], x2, w_qkv.T)
-    else:
-        qkv = x2 @ w_qkv.T
-    qkv = qkv.view(b, l, nq + 2 * nkv, hd)
-    q_raw, k_raw, v = qkv[:, :, :nq], qkv[:, :, nq : nq + nkv], qkv[:, :, nq + nkv :]
+def project_qkv(spec: _AttnSpec, view: ShardView, x2: Tensor, norms, b: int, l: int, with_kv: bool = True):
+    """q (and k, v) of local tokens x2 [B*L, h] with one head group's weights: one GEMM (biases in its epilogue),
+    then the optional per-head q/k norms. ``with_kv=False`` projects q only (a replica owner: its KV group's K/V
+    were projected and exchanged by the group's first owner)."""
+    lay = spec.layout
+    if isinstance(view.w_qkv, Tensor):
+        rows = lay.qkv_rows if with_kv else lay.q_rows
+        w, bias = view.w_qkv[:rows], None if view.b_qkv is None else view.b_qkv[:rows]
+        qkv = x2 @ w.T if bias is None else torch.addmm(bias, x2, w.T)
+    else:  # the owner's own q/k/v parameters (decoding: a few tokens, the weights stay where they are)
+        n = 3 if with_kv else 1
+        biases = (None,) * n if view.b_qkv is None else view.b_qkv[:n]
+        qkv = torch.cat([x2 @ w.T if bb is None else torch.addmm(bb, x2, w.T)
+                         for w, bb in zip(view.w_qkv[:n], biases)], dim=-1)
+    qkv = qkv.view(b, l, -1, lay.head_dim)
+    nq, nkv = lay.n_heads, lay.n_kv_heads
+    q_raw = qkv[:, :, :nq]
+    k_raw, v = (qkv[:, :, nq : nq + nkv], qkv[:, :, nq + nkv :]) if with_kv else (None, None)
     if not spec.qk_norm:
-        return q_raw, k_raw, q_raw, k_raw, v
-    q_in = norms[0] * _head_rms(q_raw, spec.eps)[0].to(x2.dtype)
-    k_in = norms[1] * _head_rms(k_raw, spec.eps)[0].to(x2.dtype)
-    return q_raw, k_raw, q_in, k_in, v
+        return Projection(q_raw, k_raw, q_raw, k_raw, v)
+    q = norms[0] * _head_rms(q_raw, spec.eps)[0].to(x2.dtype)
+    k = None if k_raw is None else norms[1] * _head_rms(k_raw, spec.eps)[0].to(x2.dtype)
+    return Projection(q_raw, k_raw, q, k, v)
 
 
 def kv_blocks(spec: _AttnSpec, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
-    """Per head bucket, the block [B, L, 2n, d] that travels: RoPE'd K heads, then V heads."""
+    """Per head bucket, the block [B, L, 2n, d] that travels (and that a KV cache stores): RoPE'd K heads, then V
+    heads. ``cos``/``sin`` broadcast against [B, L, n, d]."""
     out = []
     for kvs, _ in spec.buckets():
         n = kvs.stop - kvs.start
@@ -248,18 +340,44 @@ def kv_blocks(spec: _AttnSpec, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -
     return out
 
 
-def attend(spec: _AttnSpec, q: Tensor, blocks: list[Tensor], first: KVGather, want_lse: bool = True):
-    """Attention of local queries q [B, L, nq, d] over every bucket's gathered K/V (``first`` already in flight;
-    the next bucket's exchange overlaps this bucket's kernels). Returns o [B, L, nq, d] and lse [B, nq, L]."""
+# ---- K/V sources --------------------------------------------------------------------------------------------
+
+
+class GatheredKV:
+    """The broadcast schedule's K/V source: each bucket's local block all-gathered over the sequence (gather
+    order), the next bucket in flight while the current one is used. ``keep=True`` holds the gathered buckets for
+    the other owners of a replicated KV head, so each KV head crosses the network once."""
+
+    def __init__(self, blocks: list[Tensor], tsp: TSPGroup, keep: bool = False):
+        self.blocks, self.tsp, self.keep = blocks, tsp, keep
+        self.kept: list[Tensor | None] = [None] * len(blocks)
+        self.pending, self.next = KVGather(blocks[0], tsp), 0
+
+    def bucket(self, i: int) -> Tensor:
+        if self.kept[i] is not None:
+            return self.kept[i]
+        assert i == self.next, "buckets are gathered in order"
+        g = self.pending.wait()
+        self.next += 1
+        self.pending = KVGather(self.blocks[self.next], self.tsp) if self.next < len(self.blocks) else None
+        if self.keep:
+            self.kept[i] = g
+        return g
+
+
+def _bhld(t: Tensor) -> Tensor:
+    return t.transpose(1, 2)  # [B, L, H, d] memory -> the kernels' [B, H, L, d] view
+
+
+def attend(spec: _AttnSpec, q: Tensor, kv: GatheredKV, want_lse: bool = True):
+    """Attention of local queries q [B, L, nq, d] over every bucket's gathered K/V. Returns o [B, L, nq, d] and
+    lse [B, nq, L] (None when not wanted or the kernel keeps none)."""
     b, l, nq, hd = q.shape
     o = torch.empty_like(q)
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
     lse = torch.empty(b, nq, l, dtype=lse_dtype, device=q.device) if want_lse else None
-    kv = first
     for i, (kvs, qs) in enumerate(spec.buckets()):
-        g = kv.wait()
-        if i + 1 < len(blocks):
-            kv = KVGather(blocks[i + 1], spec.tsp)
+        g = kv.bucket(i)
         n = kvs.stop - kvs.start
         _, lse_b = zigzag_attention(spec.kernel, _bhld(q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]), spec.tsp,
                                     out=_bhld(o[:, :, qs]), lse_out=None if lse is None else lse[:, qs])
@@ -269,117 +387,233 @@ def attend(spec: _AttnSpec, q: Tensor, blocks: list[Tensor], first: KVGather, wa
     return o, lse
 
 
+# ---- the broadcast schedule -----------------------------------------------------------------------------------
+
+
+class OwnerSaved(NamedTuple):
+    """What backward keeps of owner j's forward (local tokens only; gathered K/V are never saved)."""
+
+    q: Tensor  # after norm and RoPE [B, L, nq, d]
+    o: Tensor  # attention output [B, L, nq, d]
+    lse: Tensor | None  # [B, nq, L]
+    q_raw: Tensor | None  # before the q norm (qk_norm only)
+
+
+class GroupSaved(NamedTuple):
+    """What backward keeps of a KV group (projected once, by its first owner)."""
+
+    k_raw: Tensor | None  # before the k norm (qk_norm only)
+    blocks: tuple[Tensor, ...]  # per bucket, the local RoPE'd K and V [B, L, 2n, d]
+
+
+def _flatten_saved(owners: list[OwnerSaved], groups: list[GroupSaved]) -> list[Tensor | None]:
+    out: list[Tensor | None] = []
+    for s in owners:
+        out += list(s)
+    for g in groups:
+        out += [g.k_raw, *g.blocks]
+    return out
+
+
+def _unflatten_saved(flat, n_owners: int, n_groups: int, n_buckets: int):
+    per_owner, per_group = len(OwnerSaved._fields), 1 + n_buckets
+    owners = [OwnerSaved(*flat[i * per_owner : (i + 1) * per_owner]) for i in range(n_owners)]
+    base = n_owners * per_owner
+    groups = []
+    for i in range(n_groups):
+        chunk = flat[base + i * per_group : base + (i + 1) * per_group]
+        groups.append(GroupSaved(chunk[0], tuple(chunk[1:])))
+    return owners, groups
+
+
+def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor, norms: list[Tensor], *,
+                        kv_sink=None, save: bool = True):
+    """The broadcast schedule's forward: y [B, L, h] for local tokens x [B, L, h].
+
+    ``shard``: this rank's packed head-group shard (:class:`HeadLayout`), in the compute dtype; ``cos``/``sin``
+    broadcast against [B, L, n, d]. ``kv_sink(group, blocks)`` receives each KV group's local RoPE'd K/V blocks
+    (prefill writes them into its cache). Returns (y, owners, groups): what backward needs when ``save``.
+    """
+    b, l, h = x.shape
+    tsp, lay = spec.tsp, spec.layout
+    x2 = x.reshape(b * l, h)
+    # every head group's o and Wo_j land in one [B*L, D*nq*d] / [h, D*nq*d] pair: one output-projection GEMM
+    # at the end (full K, fp32 accumulation inside the GEMM) instead of D thin GEMMs into an accumulator
+    o_all = x.new_empty(b * l, tsp.size * lay.q_rows)
+    wo_all = x.new_empty(h, tsp.size * lay.q_rows)
+    owners: list[OwnerSaved] = []
+    groups: list[GroupSaved] = []
+    kv: GatheredKV | None = None
+    replaying = spec.stash is not None and spec.stash.replaying  # recompute: the kernels' outputs are known
+    for j, buf in broadcast_shards(tsp, shard):
+        view = lay.view(buf)
+        wo_all[:, j * lay.q_rows : (j + 1) * lay.q_rows] = view.w_o
+        first = lay.starts_group(j)
+        p = project_qkv(spec, view, x2, norms, b, l, with_kv=first)
+        if first:
+            blocks = kv_blocks(spec, p.k, p.v, cos, sin)
+            if kv_sink is not None:
+                kv_sink(lay.kv_group(j), blocks)
+            if save:
+                groups.append(GroupSaved(p.k_raw if spec.qk_norm else None, tuple(blocks)))
+            if not replaying:  # in flight while q is rotated
+                kv = GatheredKV(blocks, tsp, keep=lay.kv_replicas > 1)
+        q = apply_rope(p.q, cos, sin)  # [B, L, nq, d]
+        if replaying:
+            o, lse = spec.stash.replay()
+        else:
+            o, lse = attend(spec, q, kv, want_lse=save)
+            if spec.stash is not None:
+                spec.stash.record(o, lse)
+        if lay.ends_group(j):
+            kv = None  # the group's gathered K/V are not needed any more
+        o_all[:, j * lay.q_rows : (j + 1) * lay.q_rows] = o.view(b * l, lay.q_rows)
+        if save:
+            owners.append(OwnerSaved(q, o, lse, p.q_raw if spec.qk_norm else None))
+    y = o_all @ wo_all.T
+    return y.view(b, l, h), owners, groups
+
+
+def _attention_grads(spec, kv: GatheredKV, s: OwnerSaved, do: Tensor, dg_acc: list[Tensor | None],
+                     finish: bool, dk: Tensor | None, dv: Tensor, acc_dtype) -> Tensor:
+    """Owner j's attention backward; returns dq [B, L, nq, d]. dK/dV over the gathered buffer accumulate in
+    ``dg_acc`` (one fp32 buffer per bucket, shared by the owners of a KV group); with ``finish`` (the group's last
+    owner) each bucket's sum is reduce-scattered to the token owners right away, into ``dk``/``dv`` [B, L, nkv, d]."""
+    dq = torch.empty_like(s.q)
+    for i, (kvs, qs) in enumerate(spec.buckets()):
+        g = kv.bucket(i)
+        n = kvs.stop - kvs.start
+        dg = torch.empty(g.shape, dtype=acc_dtype, device=g.device)
+        zigzag_attention_backward(
+            spec.kernel, _bhld(do[:, :, qs]), _bhld(s.q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]),
+            _bhld(s.o[:, :, qs]), None if s.lse is None else s.lse[:, qs], spec.tsp,
+            dq_out=_bhld(dq[:, :, qs]), dk_out=_bhld(dg[:, :, :n]), dv_out=_bhld(dg[:, :, n:]))
+        del g
+        if dg_acc[i] is not None:
+            dg += dg_acc[i]
+        dg_acc[i] = None
+        if finish:
+            dkv = scatter_kv_grad(dg, spec.tsp)  # fp32, summed over the group
+            del dg
+            dk[:, :, kvs] = dkv[:, :, :n]
+            dv[:, :, kvs] = dkv[:, :, n:]
+        else:
+            dg_acc[i] = dg
+    return dq
+
+
+def _rms_backward(spec, grad, raw, weight, d_weight, acc_dtype):
+    """Through RoPE's output back to the pre-norm projection: d raw, accumulating the norm weight's gradient."""
+    dt, t_hat = _head_rms_backward(grad * weight, raw, spec.eps)
+    d_weight += (grad.to(acc_dtype) * t_hat.to(grad.dtype).to(acc_dtype)).sum((0, 1, 2))
+    return dt
+
+
+def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor,
+                                 norms: list[Tensor], owners: list[OwnerSaved], groups: list[GroupSaved]):
+    """Backward of :func:`broadcast_attention`: (dx, d shard [layout numel], d norms), all in (at least) fp32.
+
+    Shards are broadcast again; each KV group's K/V are re-gathered once (never saved); dK/dV, summed over the
+    group's owners, are reduce-scattered to the token owners. Weight-gradient partials reach owner j with one
+    reduce per owner; a replicated KV group's K/V partials are summed over the TSP group in one all-reduce at the
+    end, so every replica of a KV head gets the same, complete gradient.
+    """
+    tsp, lay = spec.tsp, spec.layout
+    b, l, h = x.shape
+    x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
+    d_norms = [torch.zeros(lay.head_dim, dtype=acc_dtype, device=x.device) for _ in norms]
+    replicated = lay.kv_replicas > 1
+    kv_grads = torch.zeros(tsp.size // lay.kv_replicas, lay.kv_numel, dtype=acc_dtype, device=x.device) \
+        if replicated else None
+    nq, nkv = lay.n_heads, lay.n_kv_heads
+    owner = reduce_to_owner(tsp)
+    kv: GatheredKV | None = None
+    dg_acc: list[Tensor | None] = []
+    for j, buf in broadcast_shards(tsp, shard):
+        view = lay.view(buf)
+        s, grp = owners[j], groups[lay.kv_group(j)]
+        if lay.starts_group(j):  # re-gathered, in flight during the o-projection gradients
+            kv = GatheredKV(list(grp.blocks), tsp, keep=replicated)
+            dg_acc = [None] * len(grp.blocks)
+        partial = torch.empty(lay.numel, dtype=acc_dtype, device=x.device)
+        grad = lay.view(partial)
+        matmul_into(grad.w_o, dy2.T, s.o.view(b * l, lay.q_rows))  # d Wo_j
+        do = (dy2 @ view.w_o).view(b, l, nq, lay.head_dim)
+        dqkv = torch.empty(b, l, nq + 2 * nkv, lay.head_dim, dtype=x.dtype, device=x.device)
+        with_kv = lay.ends_group(j)  # the group's dK/dV are complete after this owner's queries
+        dk = torch.empty(b, l, nkv, lay.head_dim, dtype=x.dtype, device=x.device) if with_kv else None
+        dq = _attention_grads(spec, kv, s, do, dg_acc, with_kv, dk, dqkv[:, :, nq + nkv :], acc_dtype)
+        dq = apply_rope_backward(dq, cos, sin)
+        if spec.qk_norm:
+            dq = _rms_backward(spec, dq, s.q_raw, norms[0], d_norms[0], acc_dtype)
+        dqkv[:, :, :nq] = dq
+        if with_kv:  # dv needs no more work; dk goes back through RoPE and the k norm
+            kv = None
+            dk = apply_rope_backward(dk, cos, sin)
+            if spec.qk_norm:
+                dk = _rms_backward(spec, dk, grp.k_raw, norms[1], d_norms[1], acc_dtype)
+            dqkv[:, :, nq : nq + nkv] = dk
+        rows = lay.qkv_rows if with_kv else lay.q_rows
+        dqkv2 = dqkv.view(b * l, lay.qkv_rows)[:, :rows]
+        add_matmul_(dx, dqkv2, view.w_qkv[:rows])  # one GEMM for the q (and k, v) input gradients
+        matmul_into(grad.w_qkv[:rows], dqkv2.T, x2)  # d Wq_j (, d Wk_j, d Wv_j)
+        if grad.b_qkv is not None:
+            torch.sum(dqkv2, 0, dtype=acc_dtype, out=grad.b_qkv[:rows])
+        if replicated:  # K/V partials go to the replica sum, not to owner j
+            if with_kv:
+                dw_kv, db_kv = lay.kv_view(partial)
+                row = kv_grads[lay.kv_group(j)]
+                row[: dw_kv.numel()] = dw_kv.reshape(-1)
+                if db_kv is not None:
+                    row[dw_kv.numel() :] = db_kv
+            dw_kv, db_kv = lay.kv_view(partial)
+            dw_kv.zero_()
+            if db_kv is not None:
+                db_kv.zero_()
+        owner.submit(j, partial)
+    d_shard = owner.result()
+    if replicated:
+        all_reduce_sum(kv_grads, tsp)
+        dw_kv, db_kv = lay.kv_view(d_shard)
+        mine = kv_grads[lay.kv_group(tsp.rank)]
+        dw_kv.copy_(mine[: dw_kv.numel()].view_as(dw_kv))
+        if db_kv is not None:
+            db_kv.copy_(mine[dw_kv.numel() :])
+    d_norms = [all_reduce_sum(g, tsp) for g in d_norms]
+    return dx.view(b, l, h), d_shard, d_norms
+
+
 class BroadcastAttention(torch.autograd.Function):
-    """``params``: the sharded shards (wq, wk, wv, wo[, bq, bk, bv]) then the replicated q/k norm weights."""
+    """Autograd wrapper of the broadcast schedule. ``params``: the sharded tensors in :meth:`HeadLayout.shapes`
+    order, then the replicated q/k norm weights."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, spec: _AttnSpec, *params):
-        b, l, h = x.shape
-        tsp, nq, hd = spec.tsp, spec.n_heads, spec.head_dim
-        n_sharded = 7 if spec.bias else 4
-        sharded, norms = params[:n_sharded], params[n_sharded:]
-        x2 = x.reshape(b * l, h)
-        shapes = [p.shape for p in sharded]
-        norms = [w.to(x.dtype) for w in norms]
-        cos4, sin4 = cos[:, None], sin[:, None]  # [L, 1, d]: broadcast over the heads of [B, L, H, d]
-        # every head group's o and Wo_j land in one [B*L, D*nq*d] / [h, D*nq*d] pair: one output-projection GEMM
-        # at the end (full K, fp32 accumulation inside the GEMM) instead of D thin GEMMs into an accumulator
-        o_all = x.new_empty(b * l, tsp.size * nq * hd)
-        wo_all = x.new_empty(h, tsp.size * nq * hd)
-        saved = []
-        # one message per owner: weights travel in the compute dtype
-        for j, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
-            cols = slice(j * nq * hd, (j + 1) * nq * hd)
-            wo_all[:, cols] = unpack(buf, shapes)[3]
-            q_raw, k_raw, q_in, k_in, v = project_qkv(spec, x2, buf, shapes, norms, b, l)
-            blocks = kv_blocks(spec, k_in, v, cos4, sin4)
-            if spec.stash is not None and spec.stash.replaying:  # recompute: the kernels' outputs are known
-                q = apply_rope(q_in, cos4, sin4)
-                o, lse = spec.stash.replay()
-            else:
-                first = KVGather(blocks[0], tsp)  # in flight while q is rotated
-                q = apply_rope(q_in, cos4, sin4)  # [B, L, nq, d]
-                o, lse = attend(spec, q, blocks, first)
-                if spec.stash is not None:
-                    spec.stash.record(o, lse)
-            o_all[:, cols] = o.view(b * l, nq * hd)
-            saved += [q, o, lse, *blocks] + ([q_raw, k_raw] if spec.qk_norm else [])
-        y = o_all @ wo_all.T
-        del o_all, wo_all
-        ctx.spec, ctx.shapes, ctx.n_sharded = spec, shapes, n_sharded
-        ctx.save_for_backward(x, cos, sin, *params, *saved)
-        return y.view(b, l, h)
+        n_sharded = len(spec.layout.shapes())
+        sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
+        shard = pack(list(sharded), x.dtype)  # one message per owner: weights travel in the compute dtype
+        y, owners, groups = broadcast_attention(spec, x, cos, sin, shard, norms)
+        del shard
+        ctx.spec, ctx.n_sharded, ctx.counts = spec, n_sharded, (len(owners), len(groups))
+        ctx.save_for_backward(x, cos, sin, *params, *_flatten_saved(owners, groups))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        spec, shapes, n_sharded = ctx.spec, ctx.shapes, ctx.n_sharded
-        tsp, nq, nkv, hd = spec.tsp, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        spec, n_sharded = ctx.spec, ctx.n_sharded
         x, cos, sin, *rest = ctx.saved_tensors
         n_params = n_sharded + (2 if spec.qk_norm else 0)
-        params, saved = rest[:n_params], rest[n_params:]
-        sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
-        buckets = spec.buckets()
-        per_shard = 3 + len(buckets) + (2 if spec.qk_norm else 0)
-        b, l, h = x.shape
-        cos4, sin4 = cos[:, None], sin[:, None]
-        x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
-        acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
-        d_norms = [torch.zeros(hd, dtype=acc_dtype, device=x.device) for _ in norms]
-        n_qkv = (nq + 2 * nkv) * hd
-        offsets = [0]
-        for s in shapes:
-            offsets.append(offsets[-1] + math.prod(s))
-        owner = reduce_to_owner(tsp)
-        for j, buf in broadcast_shards(tsp, pack(list(sharded), x.dtype)):
-            w_o = unpack(buf, shapes)[3]
-            w_qkv = buf[: n_qkv * h].view(n_qkv, h)
-            q, o, lse, *blocks = saved[per_shard * j : per_shard * (j + 1)]
-            blocks, raw = blocks[: len(buckets)], blocks[len(buckets) :]
-            kv = KVGather(blocks[0], tsp)  # re-gathered (never saved), in flight during the o-projection grads
-            partial = torch.empty(offsets[-1], dtype=acc_dtype, device=x.device)
-            o2 = o.view(b * l, nq * hd)
-            matmul_into(partial[offsets[3] : offsets[4]].view(h, nq * hd), dy2.T, o2)  # d Wo_j
-            do = (dy2 @ w_o).view(b, l, nq, hd)
-            dq = torch.empty_like(q)
-            dk = torch.empty(b, l, nkv, hd, dtype=x.dtype, device=x.device)
-            dqkv = torch.empty(b, l, nq + 2 * nkv, hd, dtype=x.dtype, device=x.device)
-            for i, (kvs, qs) in enumerate(buckets):
-                g = kv.wait()
-                if i + 1 < len(buckets):
-                    kv = KVGather(blocks[i + 1], tsp)
-                n = kvs.stop - kvs.start
-                dg = torch.empty(g.shape, dtype=acc_dtype, device=x.device)
-                zigzag_attention_backward(
-                    spec.kernel, _bhld(do[:, :, qs]), _bhld(q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]),
-                    _bhld(o[:, :, qs]), None if lse is None else lse[:, qs], tsp,
-                    dq_out=_bhld(dq[:, :, qs]), dk_out=_bhld(dg[:, :, :n]), dv_out=_bhld(dg[:, :, n:]))
-                del g
-                dkv = scatter_kv_grad(dg, tsp)  # to the token owners, fp32
-                del dg
-                dk[:, :, kvs] = dkv[:, :, :n]
-                dqkv[:, :, nq + nkv + kvs.start : nq + nkv + kvs.stop] = dkv[:, :, n:]  # dv needs no more work
-            dq = apply_rope_backward(dq, cos4, sin4)
-            dk = apply_rope_backward(dk, cos4, sin4)
-            if spec.qk_norm:
-                grads = []
-                for i, (g, t_raw) in enumerate(zip((dq, dk), raw)):
-                    dt, t_hat = _head_rms_backward(g * norms[i], t_raw, spec.eps)
-                    d_norms[i] += (g.to(acc_dtype) * t_hat.to(x.dtype).to(acc_dtype)).sum((0, 1, 2))
-                    grads.append(dt)
-                dq, dk = grads
-            dqkv[:, :, :nq] = dq
-            dqkv[:, :, nq : nq + nkv] = dk
-            dqkv2 = dqkv.view(b * l, n_qkv)
-            add_matmul_(dx, dqkv2, w_qkv)  # one GEMM for the q, k and v input gradients
-            matmul_into(partial[:n_qkv * h].view(n_qkv, h), dqkv2.T, x2)  # d Wq_j, d Wk_j, d Wv_j
-            if spec.bias:
-                torch.sum(dqkv2, 0, dtype=acc_dtype, out=partial[offsets[4] : offsets[4] + n_qkv])
-            owner.submit(j, partial)
-        grads = unpack(owner.result(), shapes)
-        d_sharded = [g.to(w.dtype) for g, w in zip(grads, sharded)]
-        d_norm_params = [all_reduce_sum(g, tsp).to(w.dtype) for g, w in zip(d_norms, params[n_sharded:])]
-        return (dx.view(b, l, h).to(x.dtype), None, None, None, *d_sharded, *d_norm_params)
+        params, flat = rest[:n_params], rest[n_params:]
+        sharded, norm_params = params[:n_sharded], params[n_sharded:]
+        owners, groups = _unflatten_saved(flat, *ctx.counts, len(spec.buckets()))
+        norms = [w.to(x.dtype) for w in norm_params]
+        shard = pack(list(sharded), x.dtype)
+        dx, d_shard, d_norms = broadcast_attention_backward(spec, dy, x, cos, sin, shard, norms, owners, groups)
+        d_sharded = [g.to(w.dtype) for g, w in zip(unpack(d_shard, [w.shape for w in sharded]), sharded)]
+        d_norm_params = [g.to(w.dtype) for g, w in zip(d_norms, norm_params)]
+        return (dx.to(x.dtype), None, None, None, *d_sharded, *d_norm_params)
 
 
 class AttentionStash:
@@ -398,13 +632,27 @@ class AttentionStash:
         return self.items.pop(0)
 
 
+def kv_replicas(n_kv_heads: int, tsp_size: int) -> int:
+    """Owners per KV head: 1 when the KV heads split over the ranks, D / n_kv when each is replicated."""
+    if n_kv_heads % tsp_size == 0:
+        return 1
+    if tsp_size % n_kv_heads == 0:
+        return tsp_size // n_kv_heads
+    raise TSPConfigError(f"n_kv_heads={n_kv_heads} and tsp_size={tsp_size}: D must divide n_kv or be a multiple of it")
+
+
 class TSPAttention(nn.Module):
     """Causal self-attention (MHA or GQA) whose q/k/v/o weights are sharded by head group over the TSP group.
 
     Parameter names and layouts follow Hugging Face Llama (``q_proj.weight`` [n_heads*d, h], ...); this rank holds
-    rows [rank*n/D, (rank+1)*n/D) of q/k/v (heads) and the matching columns of ``o_proj``. Optional: q/k/v biases
-    (Qwen2; sharded with their heads) and per-head q/k RMSNorms before RoPE (Qwen3; ``q_norm.weight`` and
+    rows [rank*n/D, (rank+1)*n/D) of q/k/v (heads) and the matching columns of ``o_proj``. With fewer KV heads than
+    ranks (D a multiple of n_kv) each KV head is replicated on D / n_kv consecutive ranks (``tsp_replicas``): their
+    copies get the same gradient, summed over every rank's tokens and query heads. Optional: q/k/v biases (Qwen2;
+    sharded with their heads) and per-head q/k RMSNorms before RoPE (Qwen3; ``q_norm.weight`` and
     ``k_norm.weight`` [d], replicated, gradients summed over the group).
+
+    Training, prefill (:func:`broadcast_attention` with a ``kv_sink``) and decoding (the owner's own shard, see
+    ``lightning_tsp.inference.decode``) all project through :func:`project_qkv` and :func:`kv_blocks`.
     """
 
     tsp_shard_dims = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1,
@@ -421,7 +669,11 @@ class TSPAttention(nn.Module):
         self.kv_bucket_heads = kv_bucket_heads
         self.stash: AttentionStash | None = None  # set by checkpointing="offload" around a forward / recompute
         self.head_dim = head_dim or hidden_size // n_heads
-        self.n_heads, self.n_kv_heads = n_heads // d, n_kv_heads // d  # local
+        replicas = kv_replicas(n_kv_heads, d)
+        self.layout = HeadLayout(hidden_size, n_heads // d, n_kv_heads * replicas // d, self.head_dim, bias, replicas)
+        self.n_heads, self.n_kv_heads = self.layout.n_heads, self.layout.n_kv_heads  # local
+        # parameters holding one replica of a KV head: their full (Hugging Face) tensor has 1/replicas of the rows
+        self.tsp_replicas = {n: replicas for n in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")}
         kw = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=bias, **kw)
         self.k_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=bias, **kw)
@@ -431,20 +683,29 @@ class TSPAttention(nn.Module):
             self.q_norm = _HeadNorm(self.head_dim, **kw)
             self.k_norm = _HeadNorm(self.head_dim, **kw)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, S/D, h] (this rank's zigzag tokens), cos/sin [S/D, d] of their global positions."""
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        kernel = select_attention_kernel(x.device, self.kernel_name, dtype)
-        spec = _AttnSpec(self.tsp, self.n_heads, self.n_kv_heads, self.head_dim, kernel, self.bias, self.qk_norm,
-                         self.norm_eps, self.kv_bucket_heads, self.stash)
+    def shard_params(self) -> list[Tensor]:
+        """This rank's sharded tensors in :meth:`HeadLayout.shapes` order (local shards of DTensors)."""
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         params = [local_tensor(m.weight) for m in projections]
         if self.bias:
             params += [local_tensor(m.bias) for m in projections[:3]]
-        if self.qk_norm:
-            params += [local_tensor(self.q_norm.weight), local_tensor(self.k_norm.weight)]
+        return params
+
+    def norm_params(self) -> list[Tensor]:
+        return [local_tensor(self.q_norm.weight), local_tensor(self.k_norm.weight)] if self.qk_norm else []
+
+    def spec(self, device: torch.device, dtype: torch.dtype) -> _AttnSpec:
+        kernel = select_attention_kernel(device, self.kernel_name, dtype)
+        return _AttnSpec(self.tsp, self.layout, kernel, self.qk_norm, self.norm_eps, self.kv_bucket_heads, self.stash)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, S/D, h] (this rank's zigzag tokens), cos/sin [S/D, d] or [B, S/D, d] of their global positions."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        spec = self.spec(x.device, dtype)
+        params = self.shard_params() + self.norm_params()
         with torch.autocast(x.device.type, enabled=False):
-            return BroadcastAttention.apply(x.to(dtype), cos.to(dtype), sin.to(dtype), spec, *params)
+            cos, sin = cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)  # broadcast over the heads
+            return BroadcastAttention.apply(x.to(dtype), cos, sin, spec, *params)
 
 
 class _HeadNorm(nn.Module):

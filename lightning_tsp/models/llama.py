@@ -164,23 +164,43 @@ class TSPLlama(nn.Module):
                 out[f"{mod_name}.{p_name}" if mod_name else p_name] = dims.get(p_name)
         return out
 
+    def replicas(self, name: str) -> int:
+        """Ranks holding a copy of each shard of parameter ``name`` (> 1 for a KV head replicated over D / n_kv
+        ranks; then its full tensor has D / replicas shards)."""
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # the innermost module that declares replicas for this name
+            table = getattr(self.get_submodule(".".join(parts[:i])), "tsp_replicas", None)
+            if table is not None:
+                return table.get(".".join(parts[i:]), 1)
+        return 1
+
+    def shard_range(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of this rank's shard inside the full tensor of parameter ``name``; None: replicated."""
+        dim = self.shard_dims()[name]
+        if dim is None:
+            return None
+        r = self.replicas(name)
+        n = local_tensor(self.get_parameter(name)).shape[dim]
+        start = (self.tsp.rank // r) * n
+        return dim, start, start + n
+
     def full_shape(self, name: str) -> torch.Size:
         p = local_tensor(self.get_parameter(name))
         dim = self.shard_dims()[name]
         shape = list(p.shape)
         if dim is not None:
-            shape[dim] *= self.tsp.size
+            shape[dim] *= self.tsp.size // self.replicas(name)
         return torch.Size(shape)
 
     def local_slice(self, name: str, full: Tensor) -> Tensor:
         """This rank's shard of the full tensor of parameter ``name``."""
-        dim = self.shard_dims()[name]
         if tuple(full.shape) != tuple(self.full_shape(name)):
             raise TSPConfigError(
                 f"parameter {name!r}: the given tensor has shape {tuple(full.shape)}, the model expects the full "
                 f"shape {tuple(self.full_shape(name))}. Is the checkpoint from another model configuration?"
             )
-        return full if dim is None else full.chunk(self.tsp.size, dim=dim)[self.tsp.rank]
+        rng = self.shard_range(name)
+        return full if rng is None else full.narrow(rng[0], rng[1], rng[2] - rng[1])
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
@@ -277,10 +297,11 @@ class TSPLlama(nn.Module):
         return total / torch.where(n > 0, n, torch.ones_like(n))
 
 
-def gather_full(local: Tensor, dim: int | None, tsp: TSPGroup) -> Tensor:
-    """All-gather a sharded tensor back to its full shape (replicated: returned as is). For tests and export."""
+def gather_full(local: Tensor, dim: int | None, tsp: TSPGroup, replicas: int = 1) -> Tensor:
+    """All-gather a sharded tensor back to its full shape (replicated: returned as is; ``replicas`` > 1: one copy
+    of each shard, see :meth:`TSPLlama.replicas`). For tests and export."""
     if dim is None or tsp.size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(tsp.size)]
     dist.all_gather(parts, local.contiguous(), group=tsp.group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts[::replicas], dim=dim)

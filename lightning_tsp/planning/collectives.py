@@ -81,6 +81,12 @@ def tsp_local_heads(shape: ModelShape, D: int) -> tuple[int, int]:
     return shape.n_heads // D, kv
 
 
+def tsp_kv_groups(shape: ModelShape, D: int) -> int:
+    """KV groups of the broadcast schedule: D (each owner its own KV heads) or n_kv (each KV head replicated on
+    D / n_kv owners, its K/V gathered once and its dK/dV reduce-scattered once)."""
+    return D if shape.n_kv_heads % D == 0 else shape.n_kv_heads
+
+
 def tsp_attn_shard_numel(shape: ModelShape, D: int) -> int:
     """Packed attention shard [Wq_j; Wk_j; Wv_j; Wo_j] = (2 n_q/D + 2 n_kv/D) * hd * h elements."""
     q, kv = tsp_local_heads(shape, D)
@@ -115,8 +121,9 @@ def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, w
     f = t["forward"]
     by = what == "bytes"
     f["broadcast"] = D * (tsp_attn_shard_numel(shape, D) * w_bytes if by else 1)
-    # per owner: one all-gather per zigzag half, each half of the gathered K/V
-    f["all_gather_into_tensor"] = D * (tsp_kv_gather_numel(shape, B, S, D) * w_bytes if by else 2)
+    # per KV group: one all-gather per zigzag half, each half of the gathered K/V
+    g = tsp_kv_groups(shape, D)
+    f["all_gather_into_tensor"] = g * (tsp_kv_gather_numel(shape, B, S, D) * w_bytes if by else 2)
     f["send"] = (D - 1) * (tsp_mlp_shard_numel(shape, D) * w_bytes if by else 1)
     return t
 
@@ -133,9 +140,10 @@ def tsp_layer_collectives(
 ) -> Tally:
     """One transformer layer (attention broadcast schedule + MLP ring + 2 RMSNorms) on one TSP rank.
 
-    Forward: D broadcasts of the attention shard (w_bytes), 2D K/V all-gathers (w_bytes; one per owner and
-    zigzag half), D-1 MLP ring sends. Backward: D broadcasts again, 2D K/V all-gathers again (gathered K/V are
-    not saved), 2D dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad all-reduces of h fp32, D-1 MLP weight sends
+    Forward: D broadcasts of the attention shard (w_bytes), 2G K/V all-gathers (w_bytes; one per KV group and
+    zigzag half; G = D, or n_kv when each KV head is replicated on D / n_kv owners), D-1 MLP ring sends. Backward: D broadcasts again, 2D K/V all-gathers again (gathered K/V are
+    not saved), 2G dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad
+    all-reduces of h fp32 (+ one of the replicated K/V weight gradients when G < D), D-1 MLP weight sends
     (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
     backward (one more forward's worth); "offload" the same without the K/V all-gathers (the attention outputs are
     replayed); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
@@ -157,10 +165,13 @@ def tsp_layer_collectives(
     bwd = _empty()
     b = bwd["backward"]
     b["broadcast"] = D * (attn * w_bytes if by else 1)
-    b["all_gather_into_tensor"] = D * (kv * w_bytes if by else 2)
-    b["reduce_scatter_tensor"] = D * (kv * G_BYTES if by else 2)
+    g = tsp_kv_groups(shape, D)
+    b["all_gather_into_tensor"] = g * (kv * w_bytes if by else 2)
+    b["reduce_scatter_tensor"] = g * (kv * G_BYTES if by else 2)
     b["reduce"] = D * (attn * G_BYTES if by else 1)
     b["all_reduce"] = 2 * (shape.hidden_size * G_BYTES if by else 1)
+    if g < D:  # replicated KV heads: their weight gradients summed over the group, one all-reduce
+        b["all_reduce"] += (shape.n_kv_heads * 2 * shape.hd * shape.hidden_size * G_BYTES) if by else 1
     b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
     out = add_tallies(fwd, bwd)
     if checkpointing in ("full", "offload"):
