@@ -2,6 +2,8 @@
 
 Byte-level tokenization by default (vocab 256, nothing to download); a local Hugging Face tokenizer directory
 can be given instead. Documents are joined with an end-of-text separator and cut into ``seq_len`` windows.
+With ``document_mask=True`` every window also carries packed-document ``position_ids`` (Hugging Face's
+convention), so that attention and positions restart at each document.
 """
 
 from __future__ import annotations
@@ -55,11 +57,19 @@ def read_documents(paths: Iterable[str | os.PathLike], text_key: str = "text") -
 
 
 class PackedTextDataset(Dataset):
-    """``seq_len``-token windows over the concatenated, tokenized documents: items ``{"input_ids": [S]}``."""
+    """``seq_len``-token windows over the concatenated, tokenized documents: items ``{"input_ids": [S]}``.
+
+    ``document_mask=True``: items are ``{"input_ids": [S], "position_ids": [S]}`` with the position of every
+    token inside its document (Hugging Face's packed convention): 0 at the window start and on the token after
+    each end-of-text token, then +1 per token. Each document ends with its end-of-text token; a document cut by
+    the window boundary continues in the next window with positions restarting at 0 there. With these ids
+    TSP attends within documents only and shifts the targets per document (no loss from a document's last
+    token onto the next document's first).
+    """
 
     def __init__(self, paths: Iterable[str | os.PathLike], seq_len: int, tokenizer: str | None = None,
-                 text_key: str = "text", max_tokens: int | None = None):
-        self.seq_len = seq_len
+                 text_key: str = "text", max_tokens: int | None = None, document_mask: bool = False):
+        self.seq_len, self.document_mask = seq_len, document_mask
         if tokenizer is None:
             self.vocab_size = BYTE_VOCAB
             encode, eos = (lambda s: list(s.encode("utf-8"))), _BYTE_EOS
@@ -69,6 +79,10 @@ class PackedTextDataset(Dataset):
             tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
             self.vocab_size = len(tok)
             encode, eos = (lambda s: tok(s, add_special_tokens=False)["input_ids"]), tok.eos_token_id
+            if eos is None and document_mask:
+                raise ValueError(f"document_mask=True needs an end-of-text token: tokenizer {tokenizer!r} has no "
+                                 f"eos_token_id")
+        self.eos = eos
         ids: list[int] = []
         for doc in read_documents(paths, text_key):
             ids.extend(encode(doc))
@@ -84,4 +98,17 @@ class PackedTextDataset(Dataset):
         return self.tokens.shape[0]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[i]}
+        ids = self.tokens[i]
+        if not self.document_mask:
+            return {"input_ids": ids}
+        return {"input_ids": ids, "position_ids": document_positions(ids, self.eos)}
+
+
+def document_positions(ids: torch.Tensor, eos: int) -> torch.Tensor:
+    """Packed position ids [S] of a window ``ids`` [S]: 0 at the window start and after every ``eos`` token,
+    +1 per token inside a document."""
+    idx = torch.arange(ids.shape[0])
+    start = torch.zeros(ids.shape[0], dtype=torch.bool)
+    start[0] = True
+    start[1:] = ids[:-1] == eos
+    return idx - torch.cummax(torch.where(start, idx, 0), dim=0).values

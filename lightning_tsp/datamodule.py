@@ -6,8 +6,9 @@ files and directories (``.txt``/``.md``/``.py``/... one document per file, ``.js
 given. Documents are joined with an end-of-text token and cut into ``seq_len`` windows; the last
 ``val_fraction`` of the windows is the validation set (a contiguous tail, so few documents straddle the split).
 
-Batches are ``{"input_ids": [B, seq_len]}``: the FULL sequences of one data-parallel replica. TSPStrategy cuts
-them into each rank's zigzag slice. The DataLoaders are plain; Lightning injects a ``DistributedSampler`` with
+Batches are ``{"input_ids": [B, seq_len]}`` (plus ``"position_ids"`` [B, seq_len] with ``document_mask=True``):
+the FULL sequences of one data-parallel replica. TSPStrategy cuts them into each rank's zigzag slice. The
+DataLoaders are plain; Lightning injects a ``DistributedSampler`` with
 ``TSPStrategy.distributed_sampler_kwargs`` (``num_replicas`` = data-parallel size, ``rank`` = data-parallel rank),
 so the ranks of one TSP group read the same samples and the replicas read different ones.
 """
@@ -43,6 +44,10 @@ class TextDataModule(LightningDataModule):
         stdlib_bytes: how much standard-library source to read for ``source="stdlib"``.
         shuffle: shuffle the training sequences every epoch (the sampler's seed is the same on every rank).
         num_workers: DataLoader worker processes.
+        document_mask: packed documents: every batch also holds ``position_ids`` [B, seq_len] that restart at 0
+            at each document (the token after an end-of-text token) and at each window start (Hugging Face's
+            packed convention). TSP then attends within documents only, applies RoPE to the positions inside each
+            document and shifts the targets per document. Default: plain causal attention over the whole window.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class TextDataModule(LightningDataModule):
         stdlib_bytes: int = 4_000_000,
         shuffle: bool = True,
         num_workers: int = 0,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -70,6 +76,7 @@ class TextDataModule(LightningDataModule):
         self.tokenizer, self.text_key, self.val_fraction = tokenizer, text_key, val_fraction
         self.max_tokens, self.stdlib_bytes = max_tokens, stdlib_bytes
         self.shuffle, self.num_workers = shuffle, num_workers
+        self.document_mask = document_mask
         self.dataset: Optional[PackedTextDataset] = None
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
@@ -102,7 +109,8 @@ class TextDataModule(LightningDataModule):
             return
         # Every rank tokenizes the same text: deterministic, and no file is written (nothing to race on).
         self.dataset = PackedTextDataset(self.paths(), self.seq_len, tokenizer=self.tokenizer,
-                                         text_key=self.text_key, max_tokens=self.max_tokens)
+                                         text_key=self.text_key, max_tokens=self.max_tokens,
+                                         document_mask=self.document_mask)
         self.train_set, self.val_set = split(self.dataset, self.val_fraction)
 
     # ---- loaders -----------------------------------------------------------------------------------------------

@@ -81,12 +81,15 @@ class OffloadedCheckpoint(torch.autograd.Function):
             y = layer(x, *args)
         ctx.x = _HostCopy(x)
         ctx.stash = [tuple(None if t is None else _HostCopy(t) for t in item) for item in stash.items]
-        ctx.save_for_backward(*args)
+        ctx.tensor_args = [isinstance(a, Tensor) for a in args]  # others (e.g. a Documents) are inputs kept as is
+        ctx.other_args = [a for a in args if not isinstance(a, Tensor)]
+        ctx.save_for_backward(*[a for a in args if isinstance(a, Tensor)])
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        args = ctx.saved_tensors
+        tensors, others = iter(ctx.saved_tensors), iter(ctx.other_args)
+        args = [next(tensors) if is_tensor else next(others) for is_tensor in ctx.tensor_args]
         x = ctx.x.restore().requires_grad_(ctx.x.requires_grad)
         stash = AttentionStash()
         stash.items = [tuple(None if t is None else t.restore() for t in item) for item in ctx.stash]

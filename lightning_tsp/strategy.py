@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 STRATEGY_NAME = _registration.STRATEGY_NAME
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-BATCH_KEYS = ("input_ids", "labels", "attention_mask")
+BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 _PL_MESSAGE = _registration.PL_MESSAGE
 
@@ -174,6 +174,7 @@ class TSPStrategy(ModelParallelStrategy):
         self._tsp_group: Optional[TSPGroup] = None
         self._dp_group: Optional[dist.ProcessGroup] = None
         self._grad_sync_blocked = False
+        self._replicas: dict[nn.Parameter, int] = {}  # parameters holding one copy of a replicated KV head
 
     def __repr__(self) -> str:
         # pytorch_lightning.Trainer(strategy=TSPStrategy()) prints this in its "invalid strategy" error.
@@ -398,7 +399,10 @@ class TSPStrategy(ModelParallelStrategy):
                                          f"TSP needs {placements}")
                 continue
             dtensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
-            setattr(owner, attr, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+            new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+            setattr(owner, attr, new)
+            if module.replicas(name) > 1:  # a replicated KV head: its DTensor holds one copy per rank
+                self._replicas[new] = module.replicas(name)
 
     # ---- data ----------------------------------------------------------------------------------------------
 
@@ -406,13 +410,15 @@ class TSPStrategy(ModelParallelStrategy):
         """Global batch -> this rank's ``{"input_ids", "targets", "position_ids"}`` (zigzag, targets shifted).
 
         ``batch`` is a mapping with ``input_ids`` [B, S] and optionally ``labels`` [B, S] (Hugging Face convention:
-        unshifted, -100 = no loss; default: ``input_ids``) and ``attention_mask`` [B, S] (right padding only; masked
-        positions get no loss).
+        unshifted, -100 = no loss; default: ``input_ids``), ``attention_mask`` [B, S] (right padding only; masked
+        positions get no loss) and ``position_ids`` [B, S] (packed documents, Hugging Face's convention: 0, 1, 2,
+        ... inside each document, 0 starts a document). With ``position_ids`` the targets are shifted per document
+        and the returned ``position_ids`` are their zigzag slice [B, S/D] (otherwise the global positions [S/D]).
         """
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise TSPConfigError(
-                f"TSPStrategy expects every batch to be a dict with 'input_ids' [B, S] and optionally 'labels' and "
-                f"'attention_mask' [B, S]; got {type(batch).__name__}"
+                f"TSPStrategy expects every batch to be a dict with 'input_ids' [B, S] and optionally 'labels', "
+                f"'attention_mask' and 'position_ids' [B, S]; got {type(batch).__name__}"
                 + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
             )
         unknown = sorted(set(batch) - set(BATCH_KEYS))
@@ -443,8 +449,17 @@ class TSPStrategy(ModelParallelStrategy):
                     "supports right padding only (padded positions then never influence real tokens)"
                 )
             labels = (input_ids if labels is None else labels).masked_fill(~mask, IGNORE_INDEX)
+        position_ids = batch.get("position_ids")
+        if position_ids is not None and (not isinstance(position_ids, Tensor) or position_ids.shape != input_ids.shape
+                                         or position_ids.is_floating_point() or position_ids.dtype == torch.bool):
+            raise TSPConfigError(
+                f"batch['position_ids'] must be an integer tensor shaped like input_ids {tuple(input_ids.shape)} "
+                f"(packed documents: positions restarting at 0 at each document), got "
+                f"{getattr(position_ids, 'dtype', type(position_ids).__name__)} "
+                f"{tuple(getattr(position_ids, 'shape', ()))}"
+            )
         tsp = self.tsp_group
-        ids, targets, positions = shard_batch(input_ids, labels, tsp.size, tsp.rank)
+        ids, targets, positions = shard_batch(input_ids, labels, tsp.size, tsp.rank, position_ids=position_ids)
         return {"input_ids": ids, "targets": targets, "position_ids": positions}
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -574,12 +589,13 @@ class TSPStrategy(ModelParallelStrategy):
         """
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        grads = [p.grad for p in parameters if p.grad is not None]
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params]
         acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         device = grads[0].device if grads else self.root_device
         total = torch.zeros((), dtype=acc_dtype, device=device)
         tsp = self.tsp_group
-        for g in grads:
+        for p, g in zip(params, grads):
             if isinstance(g, DTensor):
                 placements = tuple(g.placements)
                 if g.device_mesh.ndim != 1 or not all(isinstance(pl, (Shard, Replicate)) for pl in placements):
@@ -588,6 +604,8 @@ class TSPStrategy(ModelParallelStrategy):
                         f"a TSP gradient (Shard/Replicate on the 'tsp' sub-mesh)"
                     )
                 if isinstance(placements[0], Replicate) and tsp.rank != 0:
+                    continue
+                if tsp.rank % self._replicas.get(p, 1) != 0:  # count one copy of a replicated KV head
                     continue
                 g = g.to_local()
             elif tsp.size > 1:

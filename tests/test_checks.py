@@ -16,7 +16,7 @@ def group(d: int) -> TSPGroup:
     "overrides, d, message",
     [
         (dict(n_heads=6, n_kv_heads=6, hidden_size=48), 4, "n_heads=6 is not divisible by tsp_size=4"),
-        (dict(n_heads=8, n_kv_heads=2), 4, "n_kv_heads=2 is not divisible by tsp_size=4"),
+        (dict(n_heads=12, n_kv_heads=3, hidden_size=96), 4, "n_kv_heads=3 and tsp_size=4.*divides 3 or is a multiple"),
         (dict(intermediate_size=90), 4, "intermediate_size=90 is not divisible by tsp_size=4"),
         (dict(vocab_size=250), 4, r"vocab_size=250 is not divisible by tsp_size=4.*\(e.g. 252\)"),
         (dict(n_heads=4, n_kv_heads=3), 1, "n_heads=4 is not a multiple of n_kv_heads=3"),

@@ -100,16 +100,19 @@ def test_config_mapping_older_transformers_fields():
         model_config_from_hf(old)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+# scaled RoPE whose angles depend on the current sequence length, or that TSP does not know (llama3, linear and
+# yarn are supported: tests/test_rope_scaling.py)
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+            "original_max_position_embeddings": 16, "rope_theta": 1e4}
 
 
 @pytest.mark.parametrize(
     "family, overrides, match",
     [
-        ("Llama", {"rope_scaling": LLAMA3_ROPE}, r"rope_type'\]='llama3'"),
-        ("Llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "'linear'"),
-        ("Qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
+        ("Llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_type'\]='dynamic'.*CURRENT"),
+        ("Qwen2", {"rope_parameters": {"type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "'dynamic'"),
+        ("Llama", {"rope_parameters": LONGROPE}, r"rope_type'\]='longrope'"),
+        ("Qwen3", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "'proportional'"),
         ("Llama", {"mlp_bias": True}, "mlp_bias=True"),
         ("Llama", {"attention_bias": True}, "o_proj"),
         ("Qwen3", {"attention_bias": True}, "o_proj"),

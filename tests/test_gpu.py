@@ -125,3 +125,59 @@ def test_offload_checkpointing_equals_full_on_gpu():
     assert abs(loss_off - loss_full) <= 1e-6 * abs(loss_full)
     for n in g_full:
         assert rel_err(g_off[n], g_full[n]) < 1e-5, n
+
+
+def test_flex_document_kernel_matches_cpu_math():
+    """flex-doc (compiled flex_attention, bf16) on one call with packed documents against the fp64 CPU math:
+    random documents spanning the prefix and the own chunk, documents starting inside the own chunk (their
+    prefix rows see no key: lse -inf in the prefix piece), prefix keys out of order, GQA 4:1, d = 128,
+    Lq = Lp = 256, B = 2, in the layer's [B, L, H, d] layouts; forward (o, lse) and backward (dq, dk/dv of the
+    own chunk and of the prefix); and the same call without a mask."""
+    from lightning_tsp.kernels.attention import DocumentMask, FlexDocumentAttention
+
+    if "flex-doc" not in available_kernels(torch.device("cuda")):
+        pytest.skip("torch.nn.attention.flex_attention not available")
+    kernel = select_attention_kernel("cuda", "flex-doc", documents=True)
+    assert isinstance(kernel, FlexDocumentAttention)
+    assert isinstance(select_attention_kernel("cuda", "auto", torch.bfloat16, documents=True), FlexDocumentAttention)
+    b, hq, hkv, hd, lq, lp = 2, 8, 2, 128, 256, 256
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(b, hq, lq, hd, generator=g).bfloat16() for _ in range(2))
+    k_own, v_own = (torch.randn(b, hkv, lq, hd, generator=g).bfloat16() for _ in range(2))
+    k_pre, v_pre = (torch.randn(b, hkv, lp, hd, generator=g).bfloat16() for _ in range(2))
+    # global indices: the prefix holds tokens [0, lp) in a shuffled order, the own chunk (= the queries) [lp, lp+lq)
+    pre_index = torch.randperm(lp, generator=g)
+    own_index = torch.arange(lp, lp + lq)
+    q_lo = torch.empty(b, lq, dtype=torch.long)
+    for row in range(b):
+        # random document starts, none near the chunk border (a document spans prefix and own chunk), plus
+        # documents starting inside the own chunk
+        cand = torch.randperm(lp + lq - 1, generator=g)[:12] + 1
+        cand = cand[(cand - lp).abs() > 48].tolist()
+        starts = sorted(set([0, lp + 100 + 7 * row, lp + 201] + cand))
+        glob = own_index[:, None]
+        st = torch.tensor(starts)[None, :]
+        q_lo[row] = torch.where(st <= glob, st, 0).amax(1)
+    mask_cpu = DocumentMask(q_lo, own_index, pre_index)
+    mask_gpu = DocumentMask(q_lo.cuda(), own_index.cuda(), pre_index.cuda())
+
+    def layer_layout(t):  # [B, H, L, d] view of a [B, L, H, d] buffer
+        return t.transpose(1, 2).contiguous().transpose(1, 2).cuda()
+
+    kv = torch.cat([torch.cat([k_pre, k_own], 2), torch.cat([v_pre, v_own], 2)], 1)  # [B, 2Hkv, Lp+Lq, d]
+    kv = kv.transpose(1, 2).contiguous().cuda()  # the gathered buffer [B, S, 2Hkv, d]
+    kc, vc = kv[:, :, :hkv].transpose(1, 2), kv[:, :, hkv:].transpose(1, 2)
+    gpu_args = (layer_layout(q), kc[:, :, lp:], vc[:, :, lp:], kc[:, :, :lp], vc[:, :, :lp])
+    cpu_args = tuple(t.double() for t in (q, k_own, v_own, k_pre, v_pre))
+    math = MathAttention()
+    for mask_c, mask_g in ((mask_cpu, mask_gpu), (None, None)):
+        ref_o, ref_lse = math.forward(*cpu_args, mask=mask_c)
+        ref_grads = math.backward(do.double(), *cpu_args, ref_o, ref_lse, mask=mask_c)
+        o, lse = kernel.forward(*gpu_args, mask=mask_g)
+        assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert rel_err(o, ref_o) < 1e-2, mask_c
+        assert rel_err(lse, ref_lse) < 1e-3, mask_c
+        grads = kernel.backward(layer_layout(do), *gpu_args, o, lse, mask=mask_g)
+        for what, gr, rr in zip(("dq", "dk_own", "dv_own", "dk_pre", "dv_pre"), grads, ref_grads):
+            assert gr.shape == rr.shape, what
+            assert rel_err(gr, rr) < 2e-2, (what, mask_c)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
+from lightning_tsp.layers.rope import validate_rope_scaling
 from lightning_tsp.models.llama import ModelConfig, TSPLlama
 from lightning_tsp.schedules.comm import local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX
@@ -77,9 +78,11 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default)
 
 
-def _rope_theta(hf_cfg: Any) -> float:
-    """rope_theta from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (older); only the
-    default rotary embedding is accepted."""
+def _rope(hf_cfg: Any, head_dim: int) -> tuple[float, dict | None]:
+    """(rope_theta, normalised RoPE scaling dict or None) from ``rope_parameters`` (transformers 5) or
+    ``rope_theta``/``rope_scaling`` (older). ``linear``, ``llama3`` and ``yarn`` scaling are mapped (defaults filled
+    in as Hugging Face does); ``dynamic``, ``longrope`` and unknown types are refused by
+    :func:`~lightning_tsp.layers.rope.validate_rope_scaling`."""
     params = _get(hf_cfg, "rope_parameters")
     where = "rope_parameters"
     if params is None:
@@ -93,18 +96,19 @@ def _rope_theta(hf_cfg: Any) -> float:
                 f"layer. Use a model whose layers share one rope configuration."
             )
         params = dict(values[0])
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise TSPConfigError(
-            f"{where}['rope_type']={rope_type!r} is not supported: TSP computes the default rotary embedding only "
-            f"(inv_freq = 1/theta^(2i/d)), so {rope_type!r} scaling would give different results. Use a model "
-            f"without rope scaling, or register your own conversion plan once the core supports custom inv_freq."
-        )
     factor = params.get("partial_rotary_factor", _get(hf_cfg, "partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
         raise TSPConfigError(f"partial_rotary_factor={factor}: TSP rotates the full head dimension only")
     theta = params.get("rope_theta", _get(hf_cfg, "rope_theta"))
-    return 10000.0 if theta is None else float(theta)
+    theta = 10000.0 if theta is None else float(theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    original = _get(hf_cfg, "original_max_position_embeddings")
+    if rope_type in ("llama3", "yarn") and original is not None:  # as Hugging Face: the config attribute wins
+        params["original_max_position_embeddings"] = original
+    params.pop("partial_rotary_factor", None)  # checked above (it may come from the config, not the dict)
+    scaling = validate_rope_scaling(params, head_dim, theta=theta,
+                                    max_position_embeddings=_get(hf_cfg, "max_position_embeddings"), where=where)
+    return theta, scaling
 
 
 def _sliding_window(hf_cfg: Any, model_type: str) -> int | None:
@@ -126,7 +130,8 @@ def _sliding_window(hf_cfg: Any, model_type: str) -> int | None:
 def model_config_from_hf(hf_config: Any, *, pretrained_path: str | os.PathLike | None = None) -> HFModelConfig:
     """Map a Hugging Face Llama / Mistral / Qwen2 / Qwen3 config to a :class:`HFModelConfig`.
 
-    Raises :class:`TSPConfigError` for settings TSP cannot compute exactly: rope scaling other than the default,
+    Raises :class:`TSPConfigError` for settings TSP cannot compute exactly: rope scaling other than ``linear``,
+    ``llama3`` and ``yarn`` (those are mapped to ``rope_scaling``),
     MLP biases, an ``o_proj`` bias (``attention_bias=True`` on Llama and Qwen3), activations other than SiLU. A
     sliding window and attention dropout are checked when the model runs (they only matter for sequences longer
     than the window, and in training).
@@ -159,6 +164,7 @@ def model_config_from_hf(hf_config: Any, *, pretrained_path: str | os.PathLike |
     hidden = _get(hf_config, "hidden_size")
     n_kv = _get(hf_config, "num_key_value_heads") or n_heads
     head_dim = _get(hf_config, "head_dim") or hidden // n_heads
+    rope_theta, rope_scaling = _rope(hf_config, head_dim)
     dropout = float(_get(hf_config, "attention_dropout", 0.0) or 0.0)
     return HFModelConfig(
         vocab_size=_get(hf_config, "vocab_size"),
@@ -167,7 +173,8 @@ def model_config_from_hf(hf_config: Any, *, pretrained_path: str | os.PathLike |
         n_heads=n_heads,
         n_kv_heads=n_kv,
         intermediate_size=_get(hf_config, "intermediate_size"),
-        rope_theta=_rope_theta(hf_config),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
         tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         init_std=float(_get(hf_config, "initializer_range", 0.02)),
@@ -276,10 +283,7 @@ class TSPCausalLM(TSPLlama):
     ):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        if targets is None:  # a global Hugging Face batch
-            if position_ids is not None:
-                raise TSPConfigError("position_ids without targets: pass the strategy's sharded batch "
-                                     "(input_ids, targets, position_ids) or a global batch (input_ids, labels)")
+        if targets is None:  # a global Hugging Face batch (position_ids [B, S]: packed documents)
             if labels is None:
                 raise TSPConfigError(
                     "TSPCausalLM computes the loss only (it never materialises logits): pass labels (Hugging Face "
@@ -291,7 +295,9 @@ class TSPCausalLM(TSPLlama):
                     raise TSPConfigError("attention_mask has padding before real tokens: right padding only")
                 labels = labels.masked_fill(~mask, IGNORE_INDEX)
             self._check_runtime(input_ids.shape[1])
-            input_ids, targets, position_ids = self.shard_batch(input_ids, labels)
+            # position_ids [B, S] (packed documents) are validated there: targets shifted per document, local
+            # position ids [B, S/D]
+            input_ids, targets, position_ids = self.shard_batch(input_ids, labels, position_ids=position_ids)
         else:
             if labels is not None or attention_mask is not None:
                 raise TSPConfigError("pass either the sharded batch (targets, position_ids) or a global one "
@@ -361,7 +367,7 @@ def load_pretrained_shards(model: TSPLlama, path: str | os.PathLike) -> None:
             f"the checkpoint in {str(path)!r} lacks {len(missing)} parameters of the model, e.g. {missing[:3]}. Is it "
             f"a checkpoint of this architecture (Hugging Face names, *ForCausalLM)?"
         )
-    rank, size = model.tsp.rank, model.tsp.size
+    size = model.tsp.size
     for file, names in sorted(by_file.items()):
         with _safe_open(file) as handle:
             for name, key in names:
@@ -374,12 +380,11 @@ def load_pretrained_shards(model: TSPLlama, path: str | os.PathLike) -> None:
                         f"{name!r} in {file.name} has shape {shape}, the model expects {want}: the checkpoint is "
                         f"from another model configuration"
                     )
-                dim = dims[name]
-                if dim is None or size == 1:
+                rng = model.shard_range(name)  # this rank's rows/columns (one copy of a replicated KV head)
+                if rng is None or size == 1:
                     tensor = piece[:]
                 else:
-                    n = shape[dim] // size
-                    rows = slice(rank * n, (rank + 1) * n)
+                    dim, rows = rng[0], slice(rng[1], rng[2])
                     tensor = piece[rows] if dim == 0 else piece[(slice(None),) * dim + (rows,)]
                 param.copy_(tensor)
 

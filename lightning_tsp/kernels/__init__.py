@@ -1,6 +1,8 @@
 from lightning_tsp.kernels.attention import (
     AttentionKernel,
     CudnnSplitAttention,
+    DocumentMask,
+    FlexDocumentAttention,
     FlashAttention,
     MathAttention,
     SDPAAttention,
@@ -14,6 +16,8 @@ __all__ = [
     "SDPAAttention",
     "CudnnSplitAttention",
     "FlashAttention",
+    "FlexDocumentAttention",
+    "DocumentMask",
     "available_kernels",
     "select_attention_kernel",
 ]

@@ -9,16 +9,24 @@ Each call is given as the query block, its own chunk's K/V (square causal) and t
 fp32, or None when the backend does not expose it). ``backward`` returns ``(dq, dk_own, dv_own, dk_pre,
 dv_pre)``; the default recomputes the forward under autograd (kernels without a public backward entry point),
 the math and cuDNN backends use the saved log-sum-exp.
+
+Packed documents: every call also takes an optional :class:`DocumentMask` (``mask=``), the per-document causal
+mask of that call: on top of the call structure (own chunk square causal, prefix fully visible) query i sees
+key j only if key j lies in query i's document. Backends that cannot apply it (``supports_document_mask =
+False``) refuse it; none ignores it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from lightning_tsp.checks import TSPConfigError
 
 
 def _expand_kv(k: Tensor, n_heads: int) -> Tensor:
@@ -33,6 +41,75 @@ def _lower_right_mask(lq: int, lk: int, device) -> Tensor:
     return j <= i + (lk - lq)
 
 
+@dataclass(frozen=True, eq=False)
+class DocumentMask:
+    """The document structure of ONE zigzag call (packed documents, Hugging Face ``position_ids`` convention).
+
+    * ``q_lo`` [B, Lq] int64: for each query, the GLOBAL index of the first token of its document
+      (``global_index - position_id``, see :func:`lightning_tsp.zigzag.document_starts`).
+    * ``k_own`` [Lq] int64: the global indices of the call's own-chunk keys (the queries' own tokens, in order).
+    * ``k_pre`` [Lp] int64 or None: the global indices of the prefix keys, in the order the prefix K/V are
+      passed (any order; None when the call has no prefix).
+
+    Query i may see key j only if ``key_index[j] >= q_lo[i]`` (on top of the call's causal structure), so a
+    query always sees itself. Build one per call per batch and reuse it across layers and head groups: kernels
+    may cache per-call structures (flex-attention block masks) in ``cache``.
+    """
+
+    q_lo: Tensor
+    k_own: Tensor
+    k_pre: Tensor | None = None
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        for name in ("q_lo", "k_own", "k_pre"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not isinstance(t, Tensor) or t.dtype != torch.int64:
+                raise TSPConfigError(f"DocumentMask.{name} must be an int64 tensor, got "
+                                     f"{getattr(t, 'dtype', type(t).__name__)}")
+            object.__setattr__(self, name, t.contiguous())
+        if self.q_lo.dim() != 2 or self.k_own.dim() != 1 or self.q_lo.shape[1] != self.k_own.shape[0]:
+            raise TSPConfigError(f"DocumentMask: q_lo must be [B, Lq] and k_own [Lq], got {tuple(self.q_lo.shape)} "
+                                 f"and {tuple(self.k_own.shape)}")
+        if self.k_pre is not None and self.k_pre.dim() != 1:
+            raise TSPConfigError(f"DocumentMask: k_pre must be [Lp], got {tuple(self.k_pre.shape)}")
+
+    @classmethod
+    def for_call(cls, q_lo: Tensor, key_index: Tensor, own: slice, pre: slice | None) -> "DocumentMask":
+        """From one call of ``zigzag_calls``: ``q_lo`` = the document starts of the call's query rows [B, Lq],
+        ``key_index`` [S] = the global index of every row of the gathered K/V buffer (its gather order)."""
+        return cls(q_lo, key_index[own], None if pre is None else key_index[pre])
+
+    @property
+    def q_idx(self) -> Tensor:
+        """Global index of each query (the own chunk's keys are the queries' own tokens)."""
+        return self.k_own
+
+    def key_index(self) -> Tensor:
+        """Global indices of cat(prefix, own) [Lk]."""
+        return self.k_own if self.k_pre is None else torch.cat([self.k_pre, self.k_own])
+
+    def check(self, q: Tensor, k_own: Tensor, k_pre: Tensor | None) -> None:
+        b, _, lq, _ = q.shape
+        if tuple(self.q_lo.shape) != (b, lq) or k_own.shape[2] != lq:
+            raise TSPConfigError(f"DocumentMask q_lo {tuple(self.q_lo.shape)} does not match the call's "
+                                 f"queries [B={b}, Lq={lq}] / own keys ({k_own.shape[2]})")
+        lp = 0 if k_pre is None else k_pre.shape[2]
+        mp = 0 if self.k_pre is None else self.k_pre.shape[0]
+        if lp != mp:
+            raise TSPConfigError(f"DocumentMask has {mp} prefix key indices, the call has {lp} prefix keys")
+
+    def allowed(self) -> Tensor:
+        """Dense boolean [B, Lq, Lp + Lq] over cat(prefix, own): bottom-right causal AND same document.
+        (For the reference kernels; a [Lq, Lk] mask per call, never [S, S].)"""
+        keys = self.key_index()
+        lq, lk = self.q_lo.shape[1], keys.shape[0]
+        doc = keys.to(self.q_lo.device)[None, None, :] >= self.q_lo[:, :, None]
+        return doc & _lower_right_mask(lq, lk, self.q_lo.device)
+
+
 class AttentionKernel:
     """One zigzag call: a block of queries q [B, Hq, Lq, d] against its OWN chunk's keys k_own/v_own [B, Hkv, Lq, d]
     (the square causal block on the diagonal) and, optionally, a PREFIX of earlier keys k_pre/v_pre
@@ -41,29 +118,56 @@ class AttentionKernel:
     views (e.g. [B, L, H, d] memory); the math is bottom-right causal attention over cat(prefix, own)."""
 
     name = "base"
+    supports_document_mask = False  # whether ``mask=`` (a :class:`DocumentMask`) is applied
 
-    def forward(self, q, k_own, v_own, k_pre=None, v_pre=None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, q, k_own, v_own, k_pre=None, v_pre=None, mask: DocumentMask | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         with torch.no_grad():
-            return self.differentiable(q, k_own, v_own, k_pre, v_pre)
+            return self.differentiable(q, k_own, v_own, k_pre, v_pre, mask)
 
-    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None) -> tuple[Tensor, Tensor | None]:
-        return self.bottom_right(q, _cat_keys(k_pre, k_own), _cat_keys(v_pre, v_own))
+    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None, mask: DocumentMask | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
+        k, v = _cat_keys(k_pre, k_own), _cat_keys(v_pre, v_own)
+        if mask is None:
+            return self.bottom_right(q, k, v)
+        self._check_mask(mask, q, k_own, k_pre)
+        return self.masked(q, k, v, mask.allowed())
 
     def bottom_right(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
         """q [B, Hq, Lq, d] against k/v [B, Hkv, Lk, d], Lk >= Lq, causal mask aligned bottom-right."""
         raise NotImplementedError
 
-    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse):
+    def masked(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor | None]:
+        """q against k/v with an explicit boolean mask ``allowed`` [B, Lq, Lk] (True = visible; every row has a
+        True). Kernels with ``supports_document_mask`` and the default ``differentiable`` implement it."""
+        raise NotImplementedError
+
+    def _check_mask(self, mask: DocumentMask, q: Tensor, k_own: Tensor, k_pre: Tensor | None) -> None:
+        if not self.supports_document_mask:
+            raise TSPConfigError(_no_document_mask_message(self.name))
+        mask.check(q, k_own, k_pre)
+
+    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse, mask: DocumentMask | None = None):
         """(dq, dk_own, dv_own, dk_pre, dv_pre); the prefix gradients are None without a prefix. The default
         differentiates the forward again (kernels without a public backward entry point)."""
+        if mask is not None:
+            self._check_mask(mask, q, k_own, k_pre)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in (q, k_own, v_own) + ((k_pre, v_pre) if k_pre is not None else ())]
-            out, _ = self.differentiable(*leaves)
+            pre = (leaves[3], leaves[4]) if k_pre is not None else (None, None)
+            out, _ = self.differentiable(leaves[0], leaves[1], leaves[2], *pre, mask)
             grads = torch.autograd.grad(out, leaves, do)
         return tuple(grads) + ((None, None) if k_pre is None else ())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _no_document_mask_message(name: str) -> str:
+    able = sorted(n for n, k in KERNELS.items() if k.supports_document_mask)
+    return (f"attention kernel {name!r} does not support document masks (packed documents: position_ids in the "
+            f"batch); it would attend across document boundaries. Use attention_kernel='auto' (flex-doc on CUDA in "
+            f"bf16/fp16, SDPA with an explicit mask otherwise) or one of {able}.")
 
 
 def _cat_keys(pre: Tensor | None, own: Tensor) -> Tensor:
@@ -79,30 +183,38 @@ class MathAttention(AttentionKernel):
     """Reference math in fp32 (fp64 stays fp64), explicit forward and backward, GQA without expanding K/V."""
 
     name = "math"
+    supports_document_mask = True
 
     @staticmethod
-    def _scores(q, k):
+    def _scores(q, k, allowed: Tensor | None = None):
+        """Scaled scores [B, Hkv, g, Lq, Lk], -inf where masked: bottom-right causal, or ``allowed`` [B, Lq, Lk]."""
         b, hq, lq, d = q.shape
         hkv, lk = k.shape[1], k.shape[2]
         dt = torch.promote_types(q.dtype, torch.float32)
         qg = q.to(dt).reshape(b, hkv, hq // hkv, lq, d)  # [B, Hkv, g, Lq, d]
         s = (qg @ k.to(dt).unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [B, Hkv, g, Lq, Lk]
-        s = s.masked_fill(~_lower_right_mask(lq, lk, q.device), float("-inf"))
+        keep = _lower_right_mask(lq, lk, q.device) if allowed is None else allowed[:, None, None]
+        s = s.masked_fill(~keep, float("-inf"))
         return qg, s
 
     def bottom_right(self, q, k, v):
+        return self.masked(q, k, v, None)
+
+    def masked(self, q, k, v, allowed):
         b, hq, lq, d = q.shape
-        _, s = self._scores(q, k)
+        _, s = self._scores(q, k, allowed)
         lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, g, Lq]
         p = torch.exp(s - lse.unsqueeze(-1))
         o = p @ v.to(p.dtype).unsqueeze(2)  # [B, Hkv, g, Lq, d]
         return o.reshape(b, hq, lq, d).to(q.dtype), lse.reshape(b, hq, lq)
 
-    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse):
+    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse, mask: DocumentMask | None = None):
+        if mask is not None:
+            self._check_mask(mask, q, k_own, k_pre)
         k, v = _cat_keys(k_pre, k_own), _cat_keys(v_pre, v_own)
         b, hq, lq, d = q.shape
         hkv = k.shape[1]
-        qg, s = self._scores(q, k)
+        qg, s = self._scores(q, k, None if mask is None else mask.allowed())
         dt = s.dtype
         p = torch.exp(s - lse.reshape(b, hkv, hq // hkv, lq, 1).to(dt))
         dog = do.to(dt).reshape(b, hkv, hq // hkv, lq, d)
@@ -125,6 +237,13 @@ class SDPAAttention(AttentionKernel):
     """
 
     name = "sdpa"
+    supports_document_mask = True
+
+    def masked(self, q, k, v, allowed):
+        """Explicit boolean mask [B, 1, Lq, Lk] built per call (bottom-right causal AND same document)."""
+        hq = q.shape[1]
+        o = F.scaled_dot_product_attention(q, _expand_kv(k, hq), _expand_kv(v, hq), attn_mask=allowed[:, None])
+        return o, None
 
     def bottom_right(self, q, k, v):
         lq, lk = q.shape[2], k.shape[2]
@@ -195,7 +314,9 @@ class CudnnSplitAttention(AttentionKernel):
 
     name = "cudnn-split"
 
-    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None):
+    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None, mask=None):
+        if mask is not None:
+            self._check_mask(mask, q, k_own, k_pre)  # refuses: no document masks on this path
         hq = q.shape[1]
         own_o, own_lse = _cudnn_attention(q, _expand_heads(k_own, hq), _expand_heads(v_own, hq), True)
         if k_pre is None:
@@ -210,7 +331,9 @@ class CudnnSplitAttention(AttentionKernel):
         pre = (k[:, :, : lk - lq], v[:, :, : lk - lq]) if lk > lq else (None, None)
         return self.differentiable(q, k[:, :, lk - lq :], v[:, :, lk - lq :], *pre)
 
-    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse):
+    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse, mask=None):
+        if mask is not None:
+            self._check_mask(mask, q, k_own, k_pre)  # refuses
         hq, hkv = q.shape[1], k_own.shape[1]
         o, do = _with_strides_of(o, q), _with_strides_of(do, q)
         lse4 = lse.unsqueeze(-1).contiguous()  # the op's own layout: [B, H, Lq, 1]
@@ -238,7 +361,169 @@ class FlashAttention(AttentionKernel):
         return o.transpose(1, 2), None
 
 
-KERNELS = {k.name: k for k in (MathAttention, SDPAAttention, CudnnSplitAttention, FlashAttention)}
+class FlexDocumentAttention(AttentionKernel):
+    """Packed documents on the GPU without any dense mask: ``torch.nn.attention.flex_attention`` (compiled) with
+    block-sparse masks from ``create_block_mask`` (compiled), run as two pieces like :class:`CudnnSplitAttention`:
+    the own chunk with a causal AND same-document ``mask_mod``, the prefix with the same-document ``mask_mod``
+    (fully visible without a mask), merged once by their log-sum-exps in fp32. Blocks with no visible key (a
+    document that starts after them) are skipped by the kernel. A prefix row may see no key at all (its document
+    starts inside the own chunk): flex returns lse = -inf there and the merge gives exactly the own piece.
+    Native GQA (``enable_gqa``). Backward: autograd through :meth:`differentiable` (flex's own backward
+    kernels, including the log-sum-exp's gradient). ``flex_attention`` is imported lazily; on CPU it runs
+    eagerly, forward only (tests).
+
+    ``compiled``: ``None`` compiles on CUDA only (eager flex is a dense reference implementation)."""
+
+    name = "flex-doc"
+    supports_document_mask = True
+
+    def __init__(self, compiled: bool | None = None):
+        self.compiled = compiled
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(compiled={self.compiled})"
+
+    def _use_compile(self, q: Tensor) -> bool:
+        return q.is_cuda if self.compiled is None else self.compiled
+
+    def piece(self, kind: str, q: Tensor, k: Tensor, v: Tensor, mask_mod, cache: dict | None
+              ) -> tuple[Tensor, Tensor]:
+        """One flex call (``kind``: "own" or "prefix"): q [B, Hq, Lq, d] against k/v [B, Hkv, Lk, d] under
+        ``mask_mod`` (None: all visible), its block mask taken from / stored in ``cache``. Returns (o, lse
+        [B, Hq, Lq], -inf on rows without a visible key)."""
+        block_mask = None
+        if mask_mod is not None:
+            key = (kind, type(self).__name__, str(q.device), q.shape[0], q.shape[2], k.shape[2])
+            block_mask = None if cache is None else cache.get(key)
+            if block_mask is None:
+                block_mask = self.block_mask(kind, mask_mod, q.shape[0], q.shape[2], k.shape[2], q)
+                if cache is not None:
+                    cache[key] = block_mask
+        return self.attend(kind, q, k, v, block_mask)
+
+    def block_mask(self, kind: str, mask_mod, b: int, lq: int, lk: int, q: Tensor):
+        """flex's BlockMask of ``mask_mod`` over [B, Lq, Lk] (heads broadcast), on q's device; built by a
+        compiled ``create_block_mask`` on CUDA (no dense [Lq, Lk] mask)."""
+        return _flex_functions(self._use_compile(q), kind)[1](mask_mod, b, lq, lk, q.device)
+
+    def attend(self, kind: str, q: Tensor, k: Tensor, v: Tensor, block_mask) -> tuple[Tensor, Tensor]:
+        return _flex_functions(self._use_compile(q), kind)[0](q, k, v, block_mask, q.shape[1] != k.shape[1])
+
+    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None, mask=None):
+        if mask is None:
+            own_o, own_lse = self.piece("own", q, k_own, v_own, _causal_mask_mod, None)
+            if k_pre is None:
+                return own_o, own_lse.to(torch.promote_types(own_lse.dtype, torch.float32))
+            pre_o, pre_lse = self.piece("prefix", q, k_pre, v_pre, None, None)
+            return merge_pieces(own_o, own_lse, pre_o, pre_lse, q.dtype)
+        self._check_mask(mask, q, k_own, k_pre)
+        q_lo = mask.q_lo.to(q.device)
+        own_o, own_lse = self.piece("own", q, k_own, v_own, _own_document_mask_mod(q_lo, mask.k_own.to(q.device)),
+                                    mask.cache)
+        if k_pre is None:
+            return own_o, own_lse.to(torch.promote_types(own_lse.dtype, torch.float32))
+        pre_o, pre_lse = self.piece("prefix", q, k_pre, v_pre,
+                                    _prefix_document_mask_mod(q_lo, mask.k_pre.to(q.device)), mask.cache)
+        return merge_pieces(own_o, own_lse, pre_o, pre_lse, q.dtype)
+
+    def bottom_right(self, q, k, v):
+        lq, lk = q.shape[2], k.shape[2]
+        pre = (k[:, :, : lk - lq], v[:, :, : lk - lq]) if lk > lq else (None, None)
+        return self.differentiable(q, k[:, :, lk - lq :], v[:, :, lk - lq :], *pre)
+
+
+def _causal_mask_mod(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def _own_document_mask_mod(q_lo: Tensor, k_own: Tensor):
+    """Own chunk (square): causal, and the key in the query's document (its global index >= the document's
+    first token)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (k_own[kv_idx] >= q_lo[b, q_idx])
+
+    return mask_mod
+
+
+def _prefix_document_mask_mod(q_lo: Tensor, k_pre: Tensor):
+    """Prefix (every key precedes every query): the key in the query's document."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return k_pre[kv_idx] >= q_lo[b, q_idx]
+
+    return mask_mod
+
+
+def merge_pieces(own_o: Tensor, own_lse: Tensor, pre_o: Tensor, pre_lse: Tensor, dtype: torch.dtype):
+    """One fp32 (fp64 stays fp64) log-sum-exp merge of the own-chunk piece and the prefix piece. The own piece
+    always has a visible key (the diagonal); a prefix row without one (lse -inf) gets exactly the own piece, with
+    finite gradients (its weight is selected, not computed, so no inf - inf and no 0 * NaN reaches autograd)."""
+    acc = torch.promote_types(own_lse.dtype, torch.float32)
+    own_lse, pre_lse = own_lse.to(acc), pre_lse.to(acc)
+    lse = torch.logaddexp(own_lse, pre_lse)
+    seen = pre_lse > float("-inf")
+    w_pre = torch.where(seen, torch.exp(pre_lse - lse), 0.0).unsqueeze(-1)
+    w_own = torch.exp(own_lse - lse).unsqueeze(-1)
+    pre_term = torch.where(seen.unsqueeze(-1), pre_o.to(acc) * w_pre, 0.0)
+    return (own_o.to(acc) * w_own + pre_term).to(dtype), lse
+
+
+_fa = None  # torch.nn.attention.flex_attention, imported on first use
+
+
+def _flex_call(q, k, v, block_mask, enable_gqa):
+    if hasattr(_fa, "AuxRequest"):  # torch >= 2.9
+        o, aux = _fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa,
+                                    return_aux=_fa.AuxRequest(lse=True))
+        return o, aux.lse
+    return _fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, return_lse=True)
+
+
+# One function (one code object) per piece kind, so that each compiled piece has its own torch.compile cache and
+# recompile limit: the own piece (causal mask) and the prefix piece (a key length that differs between the two
+# zigzag calls, with and without grad) never evict each other or exhaust a shared limit.
+def _flex_own(q, k, v, block_mask, enable_gqa):
+    return _flex_call(q, k, v, block_mask, enable_gqa)
+
+
+def _flex_prefix(q, k, v, block_mask, enable_gqa):
+    return _flex_call(q, k, v, block_mask, enable_gqa)
+
+
+def _block_mask_own(mask_mod, b, lq, lk, device):
+    return _fa.create_block_mask(mask_mod, b, None, lq, lk, device=device)
+
+
+def _block_mask_prefix(mask_mod, b, lq, lk, device):
+    return _fa.create_block_mask(mask_mod, b, None, lq, lk, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_functions(compiled: bool, kind: str):
+    """(attend(q, k, v, block_mask, enable_gqa) -> (o, lse), make_block_mask(mask_mod, B, Lq, Lk, device)) for
+    one piece kind ("own" / "prefix"), wrapped in torch.compile when ``compiled``."""
+    global _fa
+    from torch.nn.attention import flex_attention as fa
+
+    _fa = fa
+    attend, make_block_mask = {"own": (_flex_own, _block_mask_own), "prefix": (_flex_prefix, _block_mask_prefix)}[kind]
+    if compiled:
+        attend, make_block_mask = torch.compile(attend), torch.compile(make_block_mask)
+    return attend, make_block_mask
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_importable() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False
+    return True
+
+
+KERNELS = {k.name: k for k in (MathAttention, SDPAAttention, CudnnSplitAttention, FlashAttention,
+                               FlexDocumentAttention)}
 
 
 def _flash_attn_importable() -> bool:
@@ -265,22 +550,39 @@ def available_kernels(device: torch.device) -> list[str]:
             names.append("cudnn-split")
         if _flash_attn_importable():
             names.append("flash-attn")
+        if _flex_importable():
+            names.append("flex-doc")
     return names
 
 
 def select_attention_kernel(
-    device: torch.device | str, name: str = "auto", dtype: torch.dtype = torch.bfloat16
+    device: torch.device | str, name: str = "auto", dtype: torch.dtype = torch.bfloat16, documents: bool = False
 ) -> AttentionKernel:
     """``auto``: on CUDA in bf16/fp16, flash-attn when importable, else the cuDNN split; otherwise SDPA with an
-    explicit bottom-right mask (the fused half-precision kernels do not take fp32)."""
+    explicit bottom-right mask (the fused half-precision kernels do not take fp32).
+
+    ``documents=True`` (packed documents: every call gets a :class:`DocumentMask`): ``auto`` gives flex-doc on
+    CUDA in bf16/fp16 and SDPA with an explicit per-call mask otherwise; an explicitly named kernel without
+    document-mask support is refused (never a silent fall back to attention across documents). ``flex-doc`` by
+    name also runs on CPU (eager, forward only: for tests)."""
     device = torch.device(device)
     if name != "auto":
         if name not in KERNELS:
             raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)} or 'auto'")
+        if documents and not KERNELS[name].supports_document_mask:
+            raise TSPConfigError(_no_document_mask_message(name))
+        if name == "flex-doc" and not _flex_importable():
+            raise ValueError(f"attention kernel 'flex-doc' needs torch.nn.attention.flex_attention (torch >= 2.5); "
+                             f"this torch {torch.__version__} does not have it")
         if name in ("cudnn-split", "flash-attn") and name not in available_kernels(device):
             raise ValueError(f"attention kernel {name!r} is not available on {device}")
         return KERNELS[name]()
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+    half = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if documents:
+        if half and "flex-doc" in available_kernels(device):
+            return FlexDocumentAttention()
+        return SDPAAttention()
+    if half:
         avail = available_kernels(device)
         for choice in ("flash-attn", "cudnn-split"):
             if choice in avail:

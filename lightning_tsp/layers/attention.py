@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.kernels.attention import AttentionKernel, select_attention_kernel
+from lightning_tsp.kernels.attention import AttentionKernel, DocumentMask, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
 from lightning_tsp.schedules.broadcast import broadcast_shards, reduce_to_owner
 from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
@@ -66,6 +66,19 @@ def zigzag_calls(l: int, tsp: TSPGroup) -> list[tuple[slice, slice, slice | None
     prefix_first = slice((d * c), (d + p) * c) if p > 0 else None
     return [(slice(c, 2 * c), slice(p * c, (p + 1) * c), slice((p + 1) * c, 2 * d * c)),
             (slice(0, c), slice((d + p) * c, (d + p + 1) * c), prefix_first)]
+
+
+class Documents:
+    """Packed documents of one forward: per zigzag call of this rank, the :class:`DocumentMask` (the queries'
+    document starts, the global index of every key the call reads). Built once per forward from the local tokens'
+    document starts [B, L] (global index of each token's first document token, ``zigzag.document_starts``) and
+    reused by every layer and head group (kernels cache per-call structures in it)."""
+
+    def __init__(self, doc_starts: Tensor, tsp: TSPGroup):
+        b, l = doc_starts.shape
+        key_index = gather_order(torch.arange(l * tsp.size, device=doc_starts.device), tsp.size, 0)
+        self.masks = [DocumentMask.for_call(doc_starts[:, rows], key_index, own, pre)
+                      for rows, own, pre in zigzag_calls(l, tsp)]
 
 
 class KVGather:
@@ -124,15 +137,17 @@ def scatter_kv_grad(dkv: Tensor, tsp: TSPGroup) -> Tensor:
 
 
 def zigzag_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, tsp: TSPGroup,
-                     out: Tensor | None = None, lse_out: Tensor | None = None):
+                     out: Tensor | None = None, lse_out: Tensor | None = None, documents: Documents | None = None):
     """Local queries q [B, Hq, L, d] against gathered k, v [B, Hkv, S, d] (gather order): one kernel call per
-    local chunk. Writes o into ``out`` (default: like q) and the log-sum-exp into ``lse_out`` [B, Hq, L]
-    (default: new) when the kernel returns one; returns (o, lse or None)."""
+    local chunk (each restricted to its queries' documents with ``documents``). Writes o into ``out`` (default:
+    like q) and the log-sum-exp into ``lse_out`` [B, Hq, L] (default: new) when the kernel returns one; returns
+    (o, lse or None)."""
     o = torch.empty_like(q) if out is None else out
     lse, got_lse = lse_out, False
-    for rows, own, pre in zigzag_calls(q.shape[2], tsp):
+    for i, (rows, own, pre) in enumerate(zigzag_calls(q.shape[2], tsp)):
         o_c, lse_c = kernel.forward(q[:, :, rows], k[:, :, own], v[:, :, own],
-                                    None if pre is None else k[:, :, pre], None if pre is None else v[:, :, pre])
+                                    None if pre is None else k[:, :, pre], None if pre is None else v[:, :, pre],
+                                    mask=None if documents is None else documents.masks[i])
         o[:, :, rows] = o_c
         if lse_c is not None:
             if lse is None:
@@ -144,7 +159,7 @@ def zigzag_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, t
 
 def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp: TSPGroup,
                               dq_out: Tensor | None = None, dk_out: Tensor | None = None,
-                              dv_out: Tensor | None = None):
+                              dv_out: Tensor | None = None, documents: Documents | None = None):
     """Gradients of :func:`zigzag_attention`: dq like q, dK/dV [B, Hkv, S, d] in gather order summed over this
     rank's calls, in (at least) fp32. The first call writes its key rows, the second adds into them (its keys lie
     inside the first's, see :func:`zigzag_calls`); the rows before the first call's keys, which no call reads,
@@ -158,7 +173,8 @@ def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp:
         k_pre, v_pre = (None, None) if pre is None else (k[:, :, pre], v[:, :, pre])
         lse_c = None if lse is None else lse[:, :, rows]
         dq_c, dk_own, dv_own, dk_pre, dv_pre = kernel.backward(
-            do[:, :, rows], q[:, :, rows], k[:, :, own], v[:, :, own], k_pre, v_pre, o[:, :, rows], lse_c)
+            do[:, :, rows], q[:, :, rows], k[:, :, own], v[:, :, own], k_pre, v_pre, o[:, :, rows], lse_c,
+            mask=None if documents is None else documents.masks[i])
         dq[:, :, rows] = dq_c
         for key_rows, gk, gv in ((own, dk_own, dv_own), (pre, dk_pre, dv_pre)):
             if key_rows is None:
@@ -266,6 +282,7 @@ class _AttnSpec:
     eps: float = 1e-6
     kv_bucket: int | None = None  # local KV heads gathered at once (head bucketing); None: all of them
     stash: AttentionStash | None = None  # attention outputs recorded by a forward / replayed by its recompute
+    documents: Documents | None = None  # packed documents: per-document causal attention
 
     def buckets(self) -> list[tuple[slice, slice]]:
         """(KV-head slice, query-head slice) per bucket of the local head group."""
@@ -380,7 +397,8 @@ def attend(spec: _AttnSpec, q: Tensor, kv: GatheredKV, want_lse: bool = True):
         g = kv.bucket(i)
         n = kvs.stop - kvs.start
         _, lse_b = zigzag_attention(spec.kernel, _bhld(q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]), spec.tsp,
-                                    out=_bhld(o[:, :, qs]), lse_out=None if lse is None else lse[:, qs])
+                                    out=_bhld(o[:, :, qs]), lse_out=None if lse is None else lse[:, qs],
+                                    documents=spec.documents)
         if lse is not None and lse_b is None:
             lse = None  # the kernel keeps no log-sum-exp: its backward recomputes
         del g
@@ -487,7 +505,8 @@ def _attention_grads(spec, kv: GatheredKV, s: OwnerSaved, do: Tensor, dg_acc: li
         zigzag_attention_backward(
             spec.kernel, _bhld(do[:, :, qs]), _bhld(s.q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]),
             _bhld(s.o[:, :, qs]), None if s.lse is None else s.lse[:, qs], spec.tsp,
-            dq_out=_bhld(dq[:, :, qs]), dk_out=_bhld(dg[:, :, :n]), dv_out=_bhld(dg[:, :, n:]))
+            dq_out=_bhld(dq[:, :, qs]), dk_out=_bhld(dg[:, :, :n]), dv_out=_bhld(dg[:, :, n:]),
+            documents=spec.documents)
         del g
         if dg_acc[i] is not None:
             dg += dg_acc[i]
@@ -694,14 +713,16 @@ class TSPAttention(nn.Module):
     def norm_params(self) -> list[Tensor]:
         return [local_tensor(self.q_norm.weight), local_tensor(self.k_norm.weight)] if self.qk_norm else []
 
-    def spec(self, device: torch.device, dtype: torch.dtype) -> _AttnSpec:
-        kernel = select_attention_kernel(device, self.kernel_name, dtype)
-        return _AttnSpec(self.tsp, self.layout, kernel, self.qk_norm, self.norm_eps, self.kv_bucket_heads, self.stash)
+    def spec(self, device: torch.device, dtype: torch.dtype, documents: Documents | None = None) -> _AttnSpec:
+        kernel = select_attention_kernel(device, self.kernel_name, dtype, documents=documents is not None)
+        return _AttnSpec(self.tsp, self.layout, kernel, self.qk_norm, self.norm_eps, self.kv_bucket_heads, self.stash,
+                         documents)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, S/D, h] (this rank's zigzag tokens), cos/sin [S/D, d] or [B, S/D, d] of their global positions."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None) -> Tensor:
+        """x [B, S/D, h] (this rank's zigzag tokens), cos/sin [S/D, d] or [B, S/D, d] of their positions (global,
+        or inside their documents); ``documents``: packed documents (attention stays inside each document)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        spec = self.spec(x.device, dtype)
+        spec = self.spec(x.device, dtype, documents)
         params = self.shard_params() + self.norm_params()
         with torch.autocast(x.device.type, enabled=False):
             cos, sin = cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)  # broadcast over the heads

@@ -19,10 +19,11 @@ from torch.utils.checkpoint import checkpoint
 from lightning_tsp.checks import TSPConfigError, check_model_shape
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMHead, TSPRMSNorm
-from lightning_tsp.layers.rope import rope_cos_sin
+from lightning_tsp.layers.attention import Documents
+from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
 from lightning_tsp.offload import offloaded_checkpoint
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
-from lightning_tsp.zigzag import IGNORE_INDEX, shard_batch
+from lightning_tsp.zigzag import IGNORE_INDEX, document_starts, shard_batch
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ModelConfig:
                     f"hidden_size={self.hidden_size} is not divisible by n_heads={self.n_heads}: give head_dim"
                 )
             self.head_dim = self.hidden_size // self.n_heads
+        self.rope_scaling = validate_rope_scaling(self.rope_scaling, self.head_dim, theta=self.rope_theta)
 
     def num_params(self) -> int:
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -92,8 +94,9 @@ class TSPDecoderLayer(nn.Module):
         self.post_attention_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
         self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, checkpoint_mlp: bool = False) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None,
+                checkpoint_mlp: bool = False) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         if checkpoint_mlp:  # "selective": keep attention's activations, recompute the norm + MLP ring in backward
             return x + checkpoint(self._mlp_block, x, use_reentrant=False)
         return x + self._mlp_block(x)
@@ -233,16 +236,20 @@ class TSPLlama(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------------------
 
-    def shard_batch(self, input_ids: Tensor, labels: Tensor | None = None):
-        """Global [B, S] batch (Hugging Face label convention) -> this rank's (input_ids, targets, position_ids)."""
-        return shard_batch(input_ids, labels, self.tsp.size, self.tsp.rank)
+    def shard_batch(self, input_ids: Tensor, labels: Tensor | None = None, position_ids: Tensor | None = None):
+        """Global [B, S] batch (Hugging Face label convention) -> this rank's (input_ids, targets, position_ids).
+
+        ``position_ids`` [B, S]: packed documents (positions restart at 0 at each document start); the returned
+        position ids are then [B, S/D] and attention stays inside each document."""
+        return shard_batch(input_ids, labels, self.tsp.size, self.tsp.rank, position_ids=position_ids)
 
     def _check_local(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor) -> None:
         b, l = input_ids.shape
-        if targets.shape != input_ids.shape or position_ids.shape != (l,):
+        if targets.shape != input_ids.shape or position_ids.shape not in ((l,), (b, l)):
             raise TSPConfigError(
                 f"input_ids {tuple(input_ids.shape)}, targets {tuple(targets.shape)} and position_ids "
-                f"{tuple(position_ids.shape)} do not match: expected [B, S/D], [B, S/D] and [S/D]"
+                f"{tuple(position_ids.shape)} do not match: expected [B, S/D], [B, S/D] and [S/D] (or [B, S/D] "
+                f"for packed documents)"
             )
         if self.tsp.size > 1 and l % 2 != 0:
             raise TSPConfigError(
@@ -251,19 +258,23 @@ class TSPLlama(nn.Module):
             )
 
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """Final-norm hidden states [B, S/D, h] of this rank's tokens."""
+        """Final-norm hidden states [B, S/D, h] of this rank's tokens; ``position_ids`` [S/D] (global positions)
+        or [B, S/D] (packed documents: positions inside each document, attention restricted to it)."""
         x = self.model.embed_tokens(input_ids)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cos, sin = self.rope(position_ids, dtype)
+        documents = None
+        if position_ids.dim() == 2:  # packed documents: positions restart inside the sequence
+            documents = Documents(document_starts(position_ids, self.tsp.size, self.tsp.rank), self.tsp)
         for layer in self.model.layers:
             mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
             if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
             elif mode == "offload":  # as full, the layer input waiting in pinned host memory
-                x = offloaded_checkpoint(layer, x, cos, sin)
+                x = offloaded_checkpoint(layer, x, cos, sin, documents)
             else:
-                x = layer(x, cos, sin, checkpoint_mlp=mode == "selective")
+                x = layer(x, cos, sin, documents, checkpoint_mlp=mode == "selective")
         return self.model.norm(x)
 
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
