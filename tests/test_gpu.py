@@ -40,9 +40,10 @@ def test_auto_picks_a_fused_kernel_on_hopper():
 
 
 @pytest.mark.parametrize("name", CUDA_KERNELS)
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (4, 1)])
 def test_zigzag_calls_match_cpu_math(name, hq, hkv):
-    """Every rank's two zigzag calls (D=8) in bf16 on the GPU vs the fp64 CPU math on the same inputs."""
+    """Every rank's two zigzag calls (D=8) in bf16 on the GPU vs the fp64 CPU math on the same inputs. (4, 1) is
+    the call of a replicated KV group (n_kv < D): one KV head with its owner's query heads."""
     kernel = _kernel(name)
     d, c, hd = 8, 256, 128
     s = 2 * d * c
@@ -181,3 +182,53 @@ def test_flex_document_kernel_matches_cpu_math():
         for what, gr, rr in zip(("dq", "dk_own", "dv_own", "dk_pre", "dv_pre"), grads, ref_grads):
             assert gr.shape == rr.shape, what
             assert rel_err(gr, rr) < 2e-2, (what, mask_c)
+
+
+def _documents(ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])[None].expand(ids.shape[0], -1).contiguous()
+
+
+def test_packed_documents_model_matches_fp64_cpu_reference():
+    """Packed documents through the whole model on the GPU (bf16 autocast, the flex-doc kernel chosen by
+    ``auto``) vs the same packed batch in fp64 on the CPU (whose exactness against the model run document by
+    document is tested on CPU), at D = 1."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, n_layers=2, n_heads=4, n_kv_heads=1, intermediate_size=1024)
+    ids = torch.randint(0, cfg.vocab_size, (2, 2048), generator=torch.Generator().manual_seed(0))
+    pos = _documents(ids, [300, 5, 700, 1, 1042])
+    ref = TSPLlama(cfg, None, dtype=torch.float64)
+    loss_ref = ref(*ref.shard_batch(ids, position_ids=pos))
+    loss_ref.backward()
+    model = TSPLlama(cfg, TSPGroup.single(), dtype=torch.float32).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(*model.shard_batch(ids.cuda(), position_ids=pos.cuda()))
+    loss.backward()
+    assert abs(loss.item() - loss_ref.item()) / loss_ref.item() < 1e-2
+    for (n, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, p_ref.grad) < 5e-2, n
+
+
+def test_generation_of_a_qwen_like_model_on_gpu():
+    """Prefill + decode on the GPU (bf16, cuDNN split kernels) of a model with q/k/v biases, q/k norms, one KV
+    head and YaRN RoPE: the prefill's next-token log-probs match the fp64 CPU model's, and greedy decoding runs."""
+    from lightning_tsp.inference import full_log_probs, generate, local_logits, prefill
+    from lightning_tsp.inference.prompts import pad_right
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, n_layers=2, n_heads=4, n_kv_heads=1, intermediate_size=1024,
+                      attention_bias=True, qk_norm=True, init_std=0.05,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (700, 33)]
+    ref = TSPLlama(cfg, None, dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype))
+    model = TSPLlama(cfg, TSPGroup.single(), dtype=torch.bfloat16, device="cuda")
+    model.load_full_state_dict(ref.state_dict())
+    lps = []
+    for m, dev in ((ref, "cpu"), (model, "cuda")):
+        ids, lens = pad_right(prompts, 1, 0, dev)
+        _, hidden = prefill(m, ids, lens, decode_steps=0)
+        lps.append(full_log_probs(local_logits(m, hidden), m.tsp).double().cpu())
+    assert rel_err(lps[1].exp(), lps[0].exp()) < 5e-2
+    out = generate(model, prompts, 16)
+    assert out.tokens.shape == (2, 16)

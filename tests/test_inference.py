@@ -161,10 +161,10 @@ def test_cli_loads_checkpoints_and_streams(tmp_path, capsys):
     want = ref["greedy"][0].tolist()
     # torch.save of a full state dict + a Hugging Face config.json
     torch.save(ref["state_dict"], tmp_path / "full.pt")
-    cfg_json = {"vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size, "num_hidden_layers": CFG.n_layers,
-                "num_attention_heads": CFG.n_heads, "num_key_value_heads": CFG.n_kv_heads,
-                "intermediate_size": CFG.intermediate_size, "rms_norm_eps": CFG.norm_eps,
-                "rope_theta": CFG.rope_theta, "tie_word_embeddings": False}
+    cfg_json = {"model_type": "llama", "vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size,
+                "num_hidden_layers": CFG.n_layers, "num_attention_heads": CFG.n_heads,
+                "num_key_value_heads": CFG.n_kv_heads, "intermediate_size": CFG.intermediate_size,
+                "rms_norm_eps": CFG.norm_eps, "rope_theta": CFG.rope_theta, "tie_word_embeddings": False}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_json))
     assert _cli_tokens([str(tmp_path / "full.pt"), "--config", str(tmp_path / "cfg.json"), *args]) == want
     # a Hugging Face directory (config.json + model.safetensors as save_pretrained writes them)
@@ -310,9 +310,9 @@ def test_tsp_generation_matches_unsharded(d, tmp_path):
         from safetensors.torch import save_file
 
         save_file(ref["state_dict"], ckpt)
-        cfg_json = {"vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size, "num_hidden_layers": CFG.n_layers,
-                    "num_attention_heads": CFG.n_heads, "num_key_value_heads": CFG.n_kv_heads,
-                    "intermediate_size": CFG.intermediate_size, "rms_norm_eps": CFG.norm_eps,
-                    "rope_theta": CFG.rope_theta}
+        cfg_json = {"model_type": "llama", "vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size,
+                    "num_hidden_layers": CFG.n_layers, "num_attention_heads": CFG.n_heads,
+                    "num_key_value_heads": CFG.n_kv_heads, "intermediate_size": CFG.intermediate_size,
+                    "rms_norm_eps": CFG.norm_eps, "rope_theta": CFG.rope_theta}
         (tmp_path / "cfg.json").write_text(json.dumps(cfg_json))
     run_distributed(_worker, d, ref, ckpt, timeout=120)

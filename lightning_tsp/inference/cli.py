@@ -1,11 +1,15 @@
-"""``lightning-tsp generate``: text generation with a TSPLlama sharded over torchrun's world.
+"""``lightning-tsp generate``: text generation with a TSP model sharded over torchrun's world.
 
-    torchrun --nproc-per-node 4 -m lightning_tsp.inference.cli ./Llama-dir --prompt "Hello" --max-new-tokens 32
+    torchrun --nproc-per-node 4 -m lightning_tsp.inference.cli ./Qwen3-dir --prompt "Hello" --max-new-tokens 32
+    lightning-tsp generate checkpoints/epoch=0-step=100.ckpt --prompt-ids "1 15 27"   # a sharded TSPStrategy checkpoint
     lightning-tsp generate model.safetensors --config config.json --prompt-ids "1 15 27" --max-new-tokens 8
 
 (``python -m lightning_tsp.inference.cli ARGS`` is ``lightning-tsp generate ARGS``.)
 
-Without torchrun (no WORLD_SIZE) it runs unsharded (D = 1). Rank 0 streams the tokens to stdout.
+The kind of checkpoint is detected from the path: a Hugging Face directory (Llama, Mistral, Qwen2, Qwen3), a
+directory written by ``lightning-tsp consolidate``, a sharded (DCP) checkpoint directory written by TSPStrategy,
+a ``.safetensors`` file or a ``torch.save`` file (see ``lightning_tsp.inference.loading``). Without torchrun (no
+WORLD_SIZE) it runs unsharded (D = 1). Rank 0 streams the tokens to stdout.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-tsp generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="Hugging Face Llama directory, .safetensors file or torch.save'd full state dict")
-    p.add_argument("--config", help="config.json (Hugging Face LlamaConfig); default: the one beside the weights")
-    p.add_argument("--preset", help="built-in model preset when there is no config.json (e.g. tiny)")
+    p.add_argument("checkpoint", help="Hugging Face model directory, consolidated directory, sharded TSPStrategy "
+                   "checkpoint directory (DCP), .safetensors file or torch.save'd full state dict")
+    p.add_argument("--config", help="config.json (Hugging Face, with model_type) or tsp_config.json; default: the "
+                   "configuration saved with the weights")
+    p.add_argument("--preset", help="built-in model preset when there is no configuration (e.g. tiny)")
+    p.add_argument("--prefix", default=None, help="attribute path of the model inside a Lightning checkpoint holding "
+                   "several TSP models (default: from tsp_model.json)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], help="prompt as space-separated token ids (repeatable)")
     p.add_argument("--tokenizer", default="auto",
@@ -117,13 +125,12 @@ def _setup_group(device_arg: str):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from lightning_tsp.inference.generate import generate
-    from lightning_tsp.inference.loading import load_checkpoint_into, resolve_checkpoint
-    from lightning_tsp.models.llama import TSPLlama
+    from lightning_tsp.inference.loading import load_model, resolve_checkpoint
 
     tsp, device, owns = _setup_group(args.device)
     rank = tsp.rank if tsp is not None else 0
     try:
-        source = resolve_checkpoint(args.checkpoint, args.config, args.preset)
+        source = resolve_checkpoint(args.checkpoint, args.config, args.preset, args.prefix)
         tok = _tokenizer(args.tokenizer, source, source.cfg.vocab_size)
         prompts = [[int(t) for t in s.split()] for s in args.prompt_ids]
         if args.prompt:
@@ -132,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             prompts += [tok.encode(t) for t in args.prompt]
         if not prompts:
             raise TSPConfigError("no prompt: pass --prompt TEXT or --prompt-ids 'ID ID ...'")
-        model = TSPLlama(source.cfg, tsp, device="meta", dtype=DTYPES[args.dtype])
-        model.to_empty(device=device)
-        load_checkpoint_into(model, source.files)
-        model.eval()
+        model = load_model(source, tsp, DTYPES[args.dtype], device)
+        check_runtime = getattr(model, "_check_runtime", None)  # TSPCausalLM: e.g. a sliding window too short
+        if check_runtime is not None:
+            check_runtime(max(map(len, prompts)) + args.max_new_tokens - 1)  # the last new token is not fed back
 
         as_text = tok is not None and not args.prompt_ids
         pieces = tok.streamer() if as_text else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.decode import decode_step
 from lightning_tsp.inference.prefill import prefill
@@ -55,6 +56,13 @@ def generate(
     prompts = as_prompt_list(input_ids)
     cfg = model.cfg
     validate_prompts(prompts, cfg.vocab_size, max_new_tokens, max_seq_len)
+    window, longest = getattr(cfg, "sliding_window", None), max(len(p) for p in prompts) + max_new_tokens - 1
+    if window is not None and longest > window:  # Hugging Face Mistral / Qwen configs with a sliding window
+        raise TSPConfigError(
+            f"prompt + max_new_tokens reach {longest} tokens, more than the model's sliding_window={window}: Hugging "
+            f"Face would attend to the last {window} tokens only, TSP to all of them. Generate at most "
+            f"{window} tokens in all, or use a config without the window."
+        )
     sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
     chooser = TokenChooser(sampling, cfg.vocab_size, model.tsp)  # validates the sampling arguments
     device = next(model.parameters()).device
