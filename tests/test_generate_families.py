@@ -45,7 +45,8 @@ VOCAB = 240
 # head counts divisible by 2, 3 and 4; a large init range keeps greedy choices far from ties (checked)
 FAMILIES: dict[str, dict] = {
     "Llama": dict(hidden_size=96, num_attention_heads=24, num_key_value_heads=12),
-    "Mistral": dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=12, sliding_window=64),
+    # one KV head (MQA): replicated on every rank at D = 2, 3, 4 (copies of its k/v projection)
+    "Mistral": dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=1, sliding_window=64),
     "Qwen2": dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=True),
     "Qwen3": dict(hidden_size=48, num_attention_heads=24, num_key_value_heads=12, head_dim=8),
 }
