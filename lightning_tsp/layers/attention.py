@@ -581,25 +581,18 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
         if grad.b_qkv is not None:
             torch.sum(dqkv2, 0, dtype=acc_dtype, out=grad.b_qkv[:rows])
         if replicated:  # K/V partials go to the replica sum, not to owner j
+            pieces = [t for t in lay.kv_view(partial) if t is not None]
             if with_kv:
-                dw_kv, db_kv = lay.kv_view(partial)
-                row = kv_grads[lay.kv_group(j)]
-                row[: dw_kv.numel()] = dw_kv.reshape(-1)
-                if db_kv is not None:
-                    row[dw_kv.numel() :] = db_kv
-            dw_kv, db_kv = lay.kv_view(partial)
-            dw_kv.zero_()
-            if db_kv is not None:
-                db_kv.zero_()
+                torch.cat([t.reshape(-1) for t in pieces], out=kv_grads[lay.kv_group(j)])
+            for t in pieces:
+                t.zero_()
         owner.submit(j, partial)
     d_shard = owner.result()
     if replicated:
         all_reduce_sum(kv_grads, tsp)
-        dw_kv, db_kv = lay.kv_view(d_shard)
-        mine = kv_grads[lay.kv_group(tsp.rank)]
-        dw_kv.copy_(mine[: dw_kv.numel()].view_as(dw_kv))
-        if db_kv is not None:
-            db_kv.copy_(mine[dw_kv.numel() :])
+        pieces = [t for t in lay.kv_view(d_shard) if t is not None]
+        for t, g in zip(pieces, unpack(kv_grads[lay.kv_group(tsp.rank)], [t.shape for t in pieces])):
+            t.copy_(g)
     d_norms = [all_reduce_sum(g, tsp) for g in d_norms]
     return dx.view(b, l, h), d_shard, d_norms
 
