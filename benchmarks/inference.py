@@ -34,7 +34,8 @@ DEFAULT_LENS = (32768, 131072, 1048576)
 
 # options that define one configuration: forwarded to the subprocess and printed in the row's command
 CONFIG_OPTS = ("model", "layers", "tsp_size", "rank", "batch", "dtype", "device", "attention_kernel", "repeats",
-               "warmup_len", "decode_steps", "decode_warmup", "max_seconds", "hardware", "seed")
+               "warmup_len", "decode_steps", "decode_warmup", "max_seconds", "hardware", "seed", "decode_mode")
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the decode floor reads the weights and the filled cache once per token
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,7 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-len", type=int, default=32768,
                     help="untimed warm-up prefill (+2 decode steps) of min(prompt, this) tokens; 0: none")
     ap.add_argument("--decode-steps", type=int, default=16, help="timed decode steps (median)")
-    ap.add_argument("--decode-warmup", type=int, default=2, help="untimed decode steps before the timed ones")
+    ap.add_argument("--decode-warmup", type=int, default=3, help="untimed decode steps before the timed ones (the "
+                                                                 "CUDA graph is captured during them)")
+    ap.add_argument("--decode-mode", choices=("graph", "eager"), default="graph",
+                    help="decode steps replayed as one CUDA graph (generate's default on CUDA) or run eagerly")
     ap.add_argument("--max-seconds", type=float, default=300.0,
                     help="per configuration: the subprocess is killed after this (row 'timeout'); prefill "
                          "repeats stop once another would pass half of it, decode steps at 90%%")
@@ -190,7 +194,8 @@ def measure(c: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from lightning_tsp import TSPConfigError, TSPGroup, TSPLlama
-    from lightning_tsp.inference import decode_step, local_logits, prefill
+    from lightning_tsp.inference import local_logits, prefill
+    from lightning_tsp.inference.decode import Decoder
     from lightning_tsp.inference.sampling import SamplingConfig, TokenChooser
     from lightning_tsp.inference.vocab import vocab_offset
     from lightning_tsp.models.llama import get_config
@@ -259,20 +264,22 @@ def measure(c: argparse.Namespace) -> dict:
         def first_token(hidden):
             return chooser(local_logits(model, hidden), offset).cpu()
 
-        def step(cache, tok):
-            # fake collectives leave the gathered (max, id) pairs uninitialised: clamp the id into the vocabulary
-            hidden = decode_step(model, cache, tok.clamp(0, cfg.vocab_size - 1).to(device))
-            return chooser(local_logits(model, hidden), offset).cpu()
+        graphs = cuda and c.decode_mode == "graph"
+
+        def step(decoder, tok):
+            # fake collectives leave the gathered (max, id) pairs uninitialised: the embedding clamps token ids
+            return chooser(decoder(tok), offset)
 
         with torch.no_grad():
             if c.warmup_len > 0:
                 phase = "warm-up"
                 w_ids, w_lens = prompt(min(s, c.warmup_len))
                 cache, hidden = prefill(model, w_ids, w_lens, decode_steps=2)
-                tok = first_token(hidden)
+                tok = first_token(hidden).to(device)
+                decoder = Decoder(model, cache, graphs=False)
                 for _ in range(2):
-                    tok = step(cache, tok)
-                del cache, hidden, w_ids
+                    tok = step(decoder, tok)
+                del cache, hidden, w_ids, decoder
                 sync()
             row["warmup_s"] = elapsed() - row_startup_s - row["build_s"]
             phase = "prefill"
@@ -300,10 +307,12 @@ def measure(c: argparse.Namespace) -> dict:
             phase = "decode"
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            decoder = Decoder(model, cache, graphs=graphs, warmup=min(2, c.decode_warmup))
+            tok = tok.to(device)
             for i in range(n_dec):
                 sync()
                 t0 = time.perf_counter()
-                tok = step(cache, tok)
+                tok = step(decoder, tok)
                 sync()
                 if i >= c.decode_warmup:
                     decode_times.append(time.perf_counter() - t0)
@@ -314,6 +323,9 @@ def measure(c: argparse.Namespace) -> dict:
                 row["decode_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
                 row["decode_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
             row["decode_cache_bytes_used"] = cache.nbytes(used_only=True)
+            row["decode_mode"] = "CUDA graph" if decoder.graph is not None else "eager"
+            # the memory-bandwidth floor of one step on this GPU: weights and the filled cache read once
+            row["decode_floor_s"] = (row["weights_bytes"] + cache.nbytes(used_only=True)) / HBM_BYTES_PER_S
     except TSPConfigError as exc:  # e.g. heads not divisible by D: a row saying so
         row["status"] = "invalid"
         row["error"] = str(exc).strip().splitlines()[0][:300]
@@ -352,6 +364,8 @@ def finalize(row: dict, prefill_times: list[float], decode_times: list[float]) -
         row["decode_tokens_per_s"] = b / t  # the group's rate: one token per sequence per step
         row["decode_tokens_per_s_per_gpu"] = b / t / d
         row["est_decode_s_per_token_with_comm"] = t + comm["decode_s_per_token"]
+        if row.get("decode_floor_s"):
+            row["decode_x_floor"] = t / row["decode_floor_s"]
     return row
 
 
@@ -389,7 +403,7 @@ def _f(v, fmt: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| # | config | prompt | status | prefill s | prefill tok/s/GPU | prefill TFLOP/s | prefill peak GB | "
-            "decode ms/token | decode tok/s | decode peak GB | KV cache GB/rank | weights GB/rank | "
+            "decode ms/token | floor ms | x floor | decode tok/s | decode peak GB | KV cache GB/rank | weights GB/rank | "
             "pred. comm prefill s (exposed) | pred. comm decode ms/token | est. prefill s with comm | "
             "est. decode ms/token with comm |")
     lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
@@ -404,7 +418,8 @@ def table(rows: list[dict]) -> str:
             str(i), r["config"], f"{r['prompt_len']:,}" + (f" x{r['batch']}" if r.get("batch", 1) > 1 else ""),
             status, _f(r.get("prefill_s"), ".3f"), _f(r.get("prefill_tokens_per_s_per_gpu"), ",.0f"),
             _f(r.get("prefill_tflops_per_gpu"), ".0f"), _f(r.get("prefill_peak_gb"), ".2f"),
-            _f(ms(r.get("decode_s_per_token")), ".2f"), _f(r.get("decode_tokens_per_s"), ".1f"),
+            _f(ms(r.get("decode_s_per_token")), ".2f"), _f(ms(r.get("decode_floor_s")), ".2f"),
+            _f(r.get("decode_x_floor"), ".2f"), _f(r.get("decode_tokens_per_s"), ".1f"),
             _f(r.get("decode_peak_gb"), ".2f"), _f(gb(r.get("kv_cache_bytes")), ".3f"),
             _f(gb(r.get("weights_bytes")), ".2f"), pred_prefill, _f(ms(comm.get("decode_s_per_token")), ".3f"),
             _f(r.get("est_prefill_s_with_comm"), ".3f"), _f(ms(r.get("est_decode_s_per_token_with_comm")), ".2f"),

@@ -14,11 +14,20 @@ The new token's hidden state x [B, h] is replicated on every rank (it is tiny). 
 5. MLP on the owned slices: silu(x Wg_j^T) * (x Wu_j^T) @ Wd_j^T, one all-reduce of [B, h].
 
 Embedding: owned vocab rows + all-reduce; LM head: local logits [B, V/D] (see ``vocab.py``, ``sampling.py``).
+
+Four collectives per layer is the least this weights-stationary step allows: q must reach the cache slices (1),
+the partials must be reduced per head (2), and o_proj and the MLP's down projection are sharded over their input
+dimension, so each ends in a sum over the group (3, 4); the norms between them need the full hidden state.
+
+Every step runs the same kernels on tensors of the same shapes and addresses (the slot bookkeeping is done on the
+device, see :meth:`KVCache.claim_slot`), so :class:`Decoder` captures one step in a CUDA graph on CUDA and replays
+it per token: one launch per token instead of a few hundred.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -27,15 +36,17 @@ from torch import Tensor
 
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, all_to_all
-from lightning_tsp.inference.vocab import acc_dtype, embed_tokens
-from lightning_tsp.layers.attention import kv_blocks, project_qkv
+from lightning_tsp.inference.vocab import acc_dtype, embed_tokens, local_logits
+from lightning_tsp.layers.attention import kv_block, project_qkv
+from lightning_tsp.layers.norm import rms_norm
 from lightning_tsp.layers.rope import apply_rope
 from lightning_tsp.schedules.comm import local_tensor
 
 
 def partial_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """q [B, Hq, d] against k/v [B, Hkv, T, d] where ``valid`` [B, T]: (o [B, Hq, d], lse [B, Hq]) in fp32 or
-    fp64. A sequence with no valid slot here gets o = 0, lse = -inf (it then weighs nothing in the merge)."""
+    fp64, by explicit scores (the reference; CPU and fp32/fp64). A sequence with no valid slot here gets o = 0,
+    lse = -inf (it then weighs nothing in the merge)."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
@@ -48,46 +59,154 @@ def partial_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[T
     return o.reshape(b, hq, d), lse.reshape(b, hq)
 
 
+def _on_cuda_compiled(fn):
+    """``fn`` compiled by inductor (static shapes) when called on CUDA tensors, as it is elsewhere: the decode
+    step's elementwise pieces become one kernel each instead of several."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=False)
+        return compiled(*args)
+
+    return call
+
+
+@_on_cuda_compiled
+def _softmax_stats(s: Tensor, slot_pos: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """fp32 scores [B, Hkv, g, T] -> (probabilities in ``dtype`` normalised by this slice's softmax, lse [B, Hkv, g])."""
+    s = (s * scale).masked_fill((slot_pos < 0)[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0, lse).unsqueeze(-1))
+    return p.to(dtype), lse
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_output_bmm() -> bool:
+    """cuBLAS bf16 x bf16 -> fp32 batched GEMM (``torch.bmm(..., out_dtype=)``, torch >= 2.8 on CUDA)."""
+    try:
+        a = torch.ones(1, 1, 8, device="cuda", dtype=torch.bfloat16)
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+def fused_decode_available(t: Tensor) -> bool:
+    """The fast cache attention runs for bf16/fp16 CUDA tensors (where fp32-output GEMMs exist)."""
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _fp32_output_bmm()
+
+
+def cache_attention(q: Tensor, k: Tensor, v: Tensor, slot_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Partial attention of the new tokens' q [B, Hq, d] over this rank's cache slice k/v [B, Hkv, T, d], masked to
+    the filled slots (``slot_pos >= 0``): (o [B, Hq, d], lse [B, Hq]) in fp32 (fp64 stays fp64).
+
+    bf16/fp16 on CUDA: two batched GEMVs that read the cache once in its own dtype (scores and output accumulated
+    and written in fp32; the probabilities cast to the cache dtype for the second product, as flash attention
+    does), native GQA (the g query heads of a KV head are the rows of one GEMV), softmax statistics in one
+    compiled kernel. A measured alternative, compiled FlexAttention, read the cache at about a tenth of the
+    bandwidth at one query token (benchmarks/decode_kernels.py). Otherwise the explicit reference
+    :func:`partial_attention`."""
+    if not fused_decode_available(q):
+        return partial_attention(q, k, v, slot_pos >= 0)
+    b, hq, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    g = hq // hkv
+    s = torch.bmm(q.reshape(b * hkv, g, d), k.view(b * hkv, t, d).transpose(1, 2), out_dtype=torch.float32)
+    p, lse = _softmax_stats(s.view(b, hkv, g, t), slot_pos, 1.0 / math.sqrt(d), q.dtype)
+    o = torch.bmm(p.view(b * hkv, g, t), v.view(b * hkv, t, d), out_dtype=torch.float32)
+    return o.view(b, hq, d), lse.view(b, hq)
+
+
 def merge_partials(o: Tensor, lse: Tensor) -> Tensor:
     """o [D, B, H, d], lse [D, B, H] -> the exact softmax-weighted combination [B, H, d]."""
     total = torch.logsumexp(lse, dim=0)  # finite: every sequence has a valid slot on some rank
     return (torch.exp(lse - total).unsqueeze(-1) * o).sum(0)
 
 
+@_on_cuda_compiled
+def _rope_pack(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """[B, 1, n, d] heads -> [B, nq + 2 nkv, d]: RoPE'd q, then the K/V block a cache stores (RoPE'd k, v)."""
+    return torch.cat([apply_rope(q, cos, sin), kv_block(k, v, cos, sin)], dim=2)[:, 0]
+
+
+@_on_cuda_compiled
+def _merge_heads(recv: Tensor, dtype: torch.dtype) -> Tensor:
+    """[D, B, n, d + 1] partials (o, lse) of my heads from every rank -> merged [B, n d] in ``dtype``."""
+    o = merge_partials(recv[..., :-1], recv[..., -1])
+    return o.reshape(o.shape[0], -1).to(dtype)
+
+
+@_on_cuda_compiled
+def _add_norm(x: Tensor, y: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the next RMSNorm: (x + y, rms_norm(x + y))."""
+    x = x + y
+    return x, rms_norm(x, w, eps)
+
+
+@_on_cuda_compiled
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def _sum_over_group(y: Tensor, tsp) -> Tensor:
+    """A partial [B, h] summed over the TSP group in (at least) fp32."""
+    if tsp.size == 1:
+        return y
+    return all_reduce_(y.to(acc_dtype(y.dtype)), tsp).to(y.dtype)
+
+
 def attention_decode(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                     cache: KVCache, slot: int | None) -> Tensor:
-    """x [B, h] (replicated), cos/sin [B, d] of the new tokens' positions. The owner's projection is the training
-    layer's (:func:`~lightning_tsp.layers.attention.project_qkv`, :func:`~lightning_tsp.layers.attention.kv_blocks`)
-    on its own parameters; the K/V source is every rank's cache slice."""
+                     slot: Tensor, slot_pos: Tensor) -> Tensor:
+    """x [B, h] (normed, replicated), cos/sin [B, d] of the new tokens' positions, ``slot`` [1]: where this rank
+    writes the new token's K/V (its next slot if it stores this step's token, else the scratch slot). The owner's
+    projection is the training layer's (:func:`~lightning_tsp.layers.attention.project_qkv`,
+    :func:`~lightning_tsp.layers.attention.kv_block`) on its own parameters; the K/V source is every rank's cache
+    slice."""
     tsp, d = attn.tsp, attn.tsp.size
     spec = dataclasses.replace(attn.spec(x.device, x.dtype), kv_bucket=None)  # one token: one bucket
     lay = spec.layout
     nq, nkv, hd, r = lay.n_heads, lay.n_kv_heads, lay.head_dim, lay.kv_replicas
     b = x.shape[0]
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # broadcast against [B, 1, n, d]
     view = lay.params_view([p.to(x.dtype) for p in attn.shard_params()])
     p = project_qkv(spec, view, x, [w.to(x.dtype) for w in attn.norm_params()], b, 1)
-    kv = kv_blocks(spec, p.k, p.v, cos, sin)[0][:, 0]  # [B, 2 nkv, d]
-    q = apply_rope(p.q, cos, sin)[:, 0]  # [B, nq, d]
-    qkv = all_gather_stack(torch.cat([q, kv], dim=1), tsp)  # [D, B, nq + 2 nkv, d]
+    qkv = all_gather_stack(_rope_pack(p.q, p.k, p.v, cos[:, None, None], sin[:, None, None]), tsp)  # [D, B, nq+2nkv, d]
     q_all = qkv[:, :, :nq].transpose(0, 1).reshape(b, d * nq, hd)  # head order = Hugging Face order
-    if slot is not None:  # one copy of each KV group (its first owner's)
-        kv_all = qkv[::r, :, nq:].transpose(0, 1)  # [B, n_kv / nkv, 2 nkv, d]
-        k_cache[:, :, slot] = kv_all[:, :, :nkv].reshape(b, -1, hd)
-        v_cache[:, :, slot] = kv_all[:, :, nkv:].reshape(b, -1, hd)
-    n = cache.length
-    o, lse = partial_attention(q_all, k_cache[:, :, :n], v_cache[:, :, :n], cache.valid())
+    kv_all = qkv[::r, :, nq:].transpose(0, 1)  # [B, n_kv / nkv, 2 nkv, d]: one copy of each KV group
+    k_cache.index_copy_(2, slot, kv_all[:, :, :nkv].reshape(b, -1, 1, hd))
+    v_cache.index_copy_(2, slot, kv_all[:, :, nkv:].reshape(b, -1, 1, hd))
+    o, lse = cache_attention(q_all, k_cache, v_cache, slot_pos)
     send = torch.cat([o, lse.unsqueeze(-1)], dim=-1).view(b, d, nq, hd + 1).transpose(0, 1)  # [D, B, nq, d+1]
     recv = all_to_all(send, tsp)  # row p: rank p's partials for MY heads
-    o_mine = merge_partials(recv[..., :hd], recv[..., hd])  # [B, nq, d]
-    y = o_mine.reshape(b, nq * hd).to(x.dtype) @ view.w_o.T
-    return all_reduce_(y.to(acc_dtype(x.dtype)), tsp).to(x.dtype)
+    return _sum_over_group(_merge_heads(recv, x.dtype) @ view.w_o.T, tsp)
 
 
 def mlp_decode(mlp, x: Tensor) -> Tensor:
     wg, wu, wd = (local_tensor(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    y = (F.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
-    return all_reduce_(y.to(acc_dtype(x.dtype)), mlp.tsp).to(x.dtype)
+    return _sum_over_group(_swiglu(x @ wg.T, x @ wu.T) @ wd.T, mlp.tsp)
+
+
+def _norm_args(norm) -> tuple[Tensor, float]:
+    return local_tensor(norm.weight), norm.eps
+
+
+def _step(model, cache: KVCache, tokens: Tensor) -> Tensor:
+    """The device work of one decode step (no host synchronisation, fixed shapes): final-norm hidden [B, h]."""
+    layers = model.model.layers
+    x = embed_tokens(model, tokens)
+    h = rms_norm(x, *_norm_args(layers[0].input_layernorm))
+    slot, positions = cache.claim_slot()
+    cos, sin = model.rope(positions, x.dtype)  # [B, d]
+    for i, layer in enumerate(layers):
+        y = attention_decode(layer.self_attn, h, cos, sin, cache.k[i], cache.v[i], slot, cache.slot_pos)
+        x, h = _add_norm(x, y, *_norm_args(layer.post_attention_layernorm))
+        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+        x, h = _add_norm(x, mlp_decode(layer.mlp, h), *_norm_args(after))
+    cache.advance()
+    return h
 
 
 @torch.no_grad()
@@ -95,13 +214,47 @@ def decode_step(model, cache: KVCache, tokens: Tensor) -> Tensor:
     """Process one new token per sequence (``tokens`` [B], identical on every rank) at position
     ``prompt_len + cache.step``; append its K/V on rank ``cache.step % D``. Returns the final-norm hidden state
     [B, h], replicated on every rank. Updates only ``cache``."""
-    cfg = model.cfg
-    x = embed_tokens(model, tokens)
-    cos, sin = model.rope(cache.next_positions(), x.dtype)  # [B, d]
-    slot = cache.claim_slot()
-    for i, layer in enumerate(model.model.layers):
-        x = x + attention_decode(layer.self_attn, layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i],
-                                 cache, slot)
-        x = x + mlp_decode(layer.mlp, layer.post_attention_layernorm(x))
+    cache.check_room()
+    hidden = _step(model, cache, tokens)
     cache.step += 1
-    return model.model.norm(x)
+    return hidden
+
+
+class Decoder:
+    """Runs decode steps and returns this rank's local logits [B, V/D] (fp32; fp64 stays fp64).
+
+    ``graphs=True`` (default on CUDA) captures one step, LM head included, in a CUDA graph after ``warmup`` eager
+    steps and replays it for every later token: the same kernels on the same buffers, launched at once. The
+    collectives are captured with it (NCCL supports capture; the fake process group issues nothing). The first
+    steps run eagerly and are real steps, so the capture itself changes nothing.
+    """
+
+    def __init__(self, model, cache: KVCache, graphs: bool | None = None, warmup: int = 2):
+        self.model, self.cache = model, cache
+        device = cache.slot_pos.device
+        self.graphs = device.type == "cuda" if graphs is None else bool(graphs)
+        if self.graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, this cache is on {device}")
+        self.warmup = warmup
+        self.graph = None
+        self.tokens = torch.zeros(cache.prompt_lens.shape[0], dtype=torch.long, device=device)
+        self.logits: Tensor | None = None
+
+    def _eager(self) -> Tensor:
+        return local_logits(self.model, _step(self.model, self.cache, self.tokens))
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.cache.check_room()
+        self.tokens.copy_(tokens)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.graphs and self.cache.step >= self.warmup:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._eager()
+            self.graph.replay()  # capture records without running: run the step now
+        else:
+            self.logits = self._eager()
+        self.cache.step += 1
+        return self.logits

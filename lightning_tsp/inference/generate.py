@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.inference.cache import KVCache
-from lightning_tsp.inference.decode import decode_step
+from lightning_tsp.inference.decode import Decoder
 from lightning_tsp.inference.prefill import prefill
 from lightning_tsp.inference.prompts import as_prompt_list, pad_right, validate_prompts
 from lightning_tsp.inference.sampling import SamplingConfig, TokenChooser
@@ -44,6 +44,7 @@ def generate(
     pad_token_id: int = 0,
     max_seq_len: int | None = None,
     streamer: Callable[[int, Tensor], None] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens for every prompt with a :class:`TSPLlama` (any D, or D = 1).
 
@@ -52,6 +53,10 @@ def generate(
     [B, L] tensor or a list of prompts of different lengths. ``streamer(step, tokens[B])`` is called on every rank
     after each new token. Generation stops early once every sequence has produced ``eos_token_id``.
     Inputs are checked (``TSPConfigError``) before any collective is issued.
+
+    ``cuda_graphs`` (default: on for a CUDA model) replays each decode step as one CUDA graph (see
+    :class:`~lightning_tsp.inference.decode.Decoder`). The host reads each token one step late, so when every
+    sequence has ended the returned ``cache`` holds the K/V of one token more than the output shows.
     """
     prompts = as_prompt_list(input_ids)
     cfg = model.cfg
@@ -71,23 +76,56 @@ def generate(
 
     cache, hidden = prefill(model, ids, lens, decode_steps=max_new_tokens - 1)
     offset = vocab_offset(model)
-    out = torch.full((b, max_new_tokens), pad_token_id, dtype=torch.long)
+    decoder = Decoder(model, cache, graphs=cuda_graphs)
+    pending = _HostTokens(b, max_new_tokens, device)
     done = torch.zeros(b, dtype=torch.bool)
     lengths = [0] * b
-    for step in range(max_new_tokens):
-        if step > 0:
-            hidden = decode_step(model, cache, out[:, step - 1].to(device))
-        nxt = chooser(local_logits(model, hidden), offset).cpu()
-        nxt = torch.where(done, pad_token_id, nxt)
-        out[:, step] = nxt
+    logits = local_logits(model, hidden)
+    finished = None
+    for step in range(max_new_tokens + 1):
+        if step < max_new_tokens:  # queue this step's work before looking at the previous step's token
+            if step > 0:
+                logits = decoder(nxt)
+            nxt = chooser(logits, offset)  # on the device; every later use of it is queued behind it
+            pending.put(step, nxt)
+        if step == 0:
+            continue
+        prev = pending.get(step - 1)  # waits for step - 1 only: step's work is already queued
+        prev = torch.where(done, pad_token_id, prev)
+        pending.out[:, step - 1] = prev
         for i in range(b):
             if not done[i]:
                 lengths[i] += 1
         if eos_token_id is not None:
-            done |= nxt == eos_token_id
+            done |= prev == eos_token_id
         if streamer is not None:
-            streamer(step, nxt)
+            streamer(step - 1, prev)
         if bool(done.all()):  # identical on every rank: the tokens are
-            out = out[:, : step + 1]
+            finished = step
             break
+    out = pending.out if finished is None else pending.out[:, :finished]
     return GenerationOutput(out, lengths, prompts, cache)
+
+
+class _HostTokens:
+    """Each step's chosen tokens copied to the host without stalling the device: the copy of step i is queued
+    behind step i's work, and read once step i + 1's work is queued too (on CUDA a pinned buffer and an event per
+    step), so the GPU never waits for the host's end-of-sequence check."""
+
+    def __init__(self, b: int, n: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.out = torch.zeros((b, n), dtype=torch.long, pin_memory=self.cuda)
+        self.events: dict[int, torch.cuda.Event] = {}
+
+    def put(self, step: int, tokens: Tensor) -> None:
+        if self.cuda:
+            self.out[:, step].copy_(tokens, non_blocking=True)
+            self.events[step] = torch.cuda.Event()
+            self.events[step].record()
+        else:
+            self.out[:, step] = tokens
+
+    def get(self, step: int) -> Tensor:
+        if self.cuda:
+            self.events.pop(step).synchronize()
+        return self.out[:, step].clone()

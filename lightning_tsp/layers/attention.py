@@ -347,14 +347,16 @@ def project_qkv(spec: _AttnSpec, view: ShardView, x2: Tensor, norms, b: int, l: 
 def kv_blocks(spec: _AttnSpec, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
     """Per head bucket, the block [B, L, 2n, d] that travels (and that a KV cache stores): RoPE'd K heads, then V
     heads. ``cos``/``sin`` broadcast against [B, L, n, d]."""
-    out = []
-    for kvs, _ in spec.buckets():
-        n = kvs.stop - kvs.start
-        blk = k.new_empty(k.shape[0], k.shape[1], 2 * n, k.shape[3])
-        blk[:, :, :n] = apply_rope(k[:, :, kvs], cos, sin)
-        blk[:, :, n:] = v[:, :, kvs]
-        out.append(blk)
-    return out
+    return [kv_block(k[:, :, kvs], v[:, :, kvs], cos, sin) for kvs, _ in spec.buckets()]
+
+
+def kv_block(k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """k, v [B, L, n, d] -> [B, L, 2n, d]: the RoPE'd keys, then the values."""
+    n = k.shape[2]
+    blk = k.new_empty(k.shape[0], k.shape[1], 2 * n, k.shape[3])
+    blk[:, :, :n] = apply_rope(k, cos, sin)
+    blk[:, :, n:] = v
+    return blk
 
 
 # ---- K/V sources --------------------------------------------------------------------------------------------

@@ -10,6 +10,13 @@ from lightning_tsp.group import TSPGroup
 from lightning_tsp.schedules.comm import SumGradOverGroup, local_tensor
 
 
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """Hugging Face's LlamaRMSNorm arithmetic: normalise in (at least) fp32, cast back, then scale."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
 class TSPRMSNorm(nn.Module):
     tsp_shard_dims: dict[str, int] = {}  # replicated
 
@@ -19,9 +26,6 @@ class TSPRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Hugging Face's LlamaRMSNorm arithmetic: normalise in (at least) fp32, cast back, then scale.
         w = local_tensor(self.weight)
         w = SumGradOverGroup.apply(w, self.tsp) if self.tsp.size > 1 else w
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
+        return rms_norm(x, w, self.eps)
