@@ -7,24 +7,39 @@ given. Documents are joined with an end-of-text token and cut into ``seq_len`` w
 ``val_fraction`` of the windows is the validation set (a contiguous tail, so few documents straddle the split).
 
 Batches are ``{"input_ids": [B, seq_len]}`` (plus ``"position_ids"`` [B, seq_len] with ``document_mask=True``):
-the FULL sequences of one data-parallel replica. TSPStrategy cuts them into each rank's zigzag slice. The
-DataLoaders are plain; Lightning injects a ``DistributedSampler`` with
-``TSPStrategy.distributed_sampler_kwargs`` (``num_replicas`` = data-parallel size, ``rank`` = data-parallel rank),
-so the ranks of one TSP group read the same samples and the replicas read different ones.
+the FULL sequences of one data-parallel replica. TSPStrategy cuts them into each rank's zigzag slice.
+
+Training data resumes at the exact sample. The training loader is a
+:class:`~lightning_tsp.sampler.ResumableDataLoader` over a :class:`~lightning_tsp.sampler.ResumableDistributedSampler`
+built with ``trainer.distributed_sampler_kwargs`` (``num_replicas`` = data-parallel size, ``rank`` =
+data-parallel rank; 1 and 0 without a parallel strategy): the ranks of one TSP group read the same samples, the
+replicas read different ones, and global batch ``k`` of an epoch is the same ``batch_size * dp`` sequences for
+every layout. Being a ``DistributedSampler``, Lightning keeps it (no flag to change). Its position (epoch and
+global samples consumed, the same on every rank) is saved in every checkpoint twice: in the fit loop's state
+(Lightning's stateful-loader support) and in this data module's ``state_dict`` (so that it is restored even when
+the train loader was built before the checkpoint was loaded, as ``trainer.estimated_stepping_batches`` in
+``configure_optimizers`` does; Lightning 2.6 then skips the loop's copy). ``fit(ckpt_path=...)`` from a checkpoint
+taken in the middle of an epoch continues with the next global batch; that needs the same data, ``shuffle``, seed
+and global batch size (``batch_size * dp``; the tsp size and the split into micro-batch x dp may change), else it
+raises :class:`~lightning_tsp.checks.TSPConfigError`. See docs/checkpoints.md, "Resuming in the middle of an
+epoch". Validation / test / predict loaders are plain; Lightning injects a ``DistributedSampler`` with the same
+kwargs.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_tsp.data import BYTE_VOCAB, PackedTextDataset, stdlib_text_files
+from lightning_tsp.sampler import ResumableDataLoader, ResumableDistributedSampler
 
 STDLIB = "stdlib"
 
@@ -42,7 +57,9 @@ class TextDataModule(LightningDataModule):
         val_fraction: fraction of the sequences held out for validation (at least one when > 0).
         max_tokens: stop reading text after this many tokens (default: read everything).
         stdlib_bytes: how much standard-library source to read for ``source="stdlib"``.
-        shuffle: shuffle the training sequences every epoch (the sampler's seed is the same on every rank).
+        shuffle: shuffle the training sequences every epoch: epoch ``e`` uses the permutation seeded with
+            ``seed + e`` (the same on every rank).
+        seed: the shuffle seed; default: the ``seed_everything`` seed (``PL_GLOBAL_SEED``), else 0.
         num_workers: DataLoader worker processes.
         document_mask: packed documents: every batch also holds ``position_ids`` [B, seq_len] that restart at 0
             at each document (the token after an end-of-text token) and at each window start (Hugging Face's
@@ -63,6 +80,7 @@ class TextDataModule(LightningDataModule):
         shuffle: bool = True,
         num_workers: int = 0,
         document_mask: bool = False,
+        seed: Optional[int] = None,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -77,9 +95,12 @@ class TextDataModule(LightningDataModule):
         self.max_tokens, self.stdlib_bytes = max_tokens, stdlib_bytes
         self.shuffle, self.num_workers = shuffle, num_workers
         self.document_mask = document_mask
+        self.seed = seed
         self.dataset: Optional[PackedTextDataset] = None
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
+        self._train_loader: Optional[ResumableDataLoader] = None
+        self._train_state: Optional[dict[str, Any]] = None  # a checkpoint's position not yet given to a loader
 
     # ---- data --------------------------------------------------------------------------------------------------
 
@@ -121,9 +142,62 @@ class TextDataModule(LightningDataModule):
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
-    def train_dataloader(self) -> DataLoader:
-        # drop_last: every step has full micro-batches, so token counts and throughput stay constant
-        return self._loader(self.train_set, self.shuffle, drop_last=len(self.train_set) >= self.batch_size)
+    def _replicas(self) -> tuple[int, int]:
+        """(data-parallel size, data-parallel rank): ``trainer.distributed_sampler_kwargs`` (TSPStrategy: the
+        ``"data_parallel"`` mesh axis), or (1, 0) without a trainer or a parallel strategy."""
+        trainer = self.trainer
+        kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _seed(self) -> int:
+        return int(self.seed if self.seed is not None else os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Full micro-batches of this data-parallel replica's slice of every global batch, resumable (see the
+        module docstring). The incomplete last global batch of an epoch is dropped."""
+        if self.train_set is None:
+            raise RuntimeError("TextDataModule.setup() has not run")
+        num_replicas, rank = self._replicas()
+        sampler = ResumableDistributedSampler(self.train_set, self.batch_size, num_replicas=num_replicas, rank=rank,
+                                              shuffle=self.shuffle, seed=self._seed())
+        loader = ResumableDataLoader(self.train_set, sampler, num_workers=self.num_workers,
+                                     persistent_workers=self.num_workers > 0)
+        if self._train_state is not None:
+            self._load_train_state(loader, self._train_state)
+            self._train_state = None
+        self._train_loader = loader
+        return loader
+
+    # ---- resuming ----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training data position (also in the fit loop's state; see the module docstring)."""
+        if self._train_loader is None:
+            return {}
+        return {"train_loader": self._train_loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("train_loader")
+        if state is None:
+            return
+        if self._train_loader is not None:  # built already (estimated_stepping_batches): it has not started yet
+            self._load_train_state(self._train_loader, state)
+        else:
+            self._train_state = state
+
+    def _load_train_state(self, loader: ResumableDataLoader, state: dict[str, Any]) -> None:
+        loader.load_state_dict(state)
+        epoch, k = loader.position
+        trainer = self.trainer
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        if 0 < k < loader.sampler.num_batches and k % accumulate != 0:  # type: ignore[union-attr]
+            rank_zero_warn(
+                f"the checkpoint was taken after {k} batches of epoch {epoch}, inside a gradient accumulation "
+                f"window of accumulate_grad_batches={accumulate}: the data resumes at the next batch but the "
+                f"gradients accumulated before the checkpoint are not in it (Lightning does not save them), so the "
+                f"next optimizer step sees {accumulate - k % accumulate} batch(es) only. Save on optimizer steps "
+                f"(ModelCheckpoint(every_n_train_steps=...)) to resume exactly."
+            )
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, False, drop_last=False)
