@@ -24,7 +24,8 @@ _EXPORTS = {
     "zigzag_shard": "lightning_tsp.zigzag",
     "zigzag_unshard": "lightning_tsp.zigzag",
     "TSPStrategy": "lightning_tsp.strategy",
-    "predict_logprobs": "lightning_tsp.strategy",
+    "predict_logprobs": "lightning_tsp.predict",
+    "TSPFabricStrategy": "lightning_tsp.fabric",
     "Perplexity": "lightning_tsp.metrics",
     "generate": "lightning_tsp.inference",
 }

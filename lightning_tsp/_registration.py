@@ -1,10 +1,15 @@
 """Registers the strategy name "tsp" with Lightning without importing Lightning (or torch) eagerly.
 
-``import lightning_tsp`` calls :func:`install`: if ``lightning.pytorch.strategies`` is already imported the name is
-registered at once, otherwise a one-shot import hook registers it right after Lightning loads that module. The
-registry entry is a small factory that imports :class:`lightning_tsp.strategy.TSPStrategy` when a Trainer asks
-for it. ``pytorch_lightning``'s registry gets an entry that refuses with a message pointing to
-``lightning.pytorch`` (the two packages have separate registries and base classes).
+The ONLY registration path of the package. ``import lightning_tsp`` calls :func:`install`: for each registry below,
+if its module is already imported the name is registered at once, otherwise a one-shot import hook registers it
+right after Lightning loads that module:
+
+* ``lightning.pytorch.strategies.StrategyRegistry`` (``Trainer(strategy="tsp")``, ``strategy: tsp`` in
+  LightningCLI): a small factory that imports :class:`lightning_tsp.strategy.TSPStrategy` when a Trainer asks;
+* ``lightning.fabric.strategies.STRATEGY_REGISTRY`` (``Fabric(strategy="tsp")``): the same for
+  :class:`lightning_tsp.fabric.TSPFabricStrategy`;
+* ``pytorch_lightning.strategies.StrategyRegistry``: an entry that refuses with a message pointing to
+  ``lightning.pytorch`` (the two packages have separate registries and base classes).
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ def make_tsp_strategy(**kwargs: Any):
     return TSPStrategy(**kwargs)
 
 
+def make_tsp_fabric_strategy(**kwargs: Any):
+    from lightning_tsp.fabric import TSPFabricStrategy
+
+    return TSPFabricStrategy(**kwargs)
+
+
 def refuse_pytorch_lightning(**_: Any):
     from lightning_tsp.checks import TSPConfigError
 
@@ -39,6 +50,11 @@ def refuse_pytorch_lightning(**_: Any):
 def register_lightning(registry: Any) -> None:
     if STRATEGY_NAME not in registry:
         registry.register(STRATEGY_NAME, make_tsp_strategy, description=DESCRIPTION)
+
+
+def register_fabric(registry: Any) -> None:
+    if STRATEGY_NAME not in registry:
+        registry.register(STRATEGY_NAME, make_tsp_fabric_strategy, description=DESCRIPTION + " for Fabric")
 
 
 def register_pytorch_lightning(registry: Any) -> None:
@@ -73,9 +89,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _when_imported(name: str, callback: Callable[[Any], None]) -> None:
+def _when_imported(name: str, attribute: str, callback: Callable[[Any], None]) -> None:
     module = sys.modules.get(name)
-    if module is not None and hasattr(module, "StrategyRegistry"):
+    if module is not None and hasattr(module, attribute):  # fully imported already
         callback(module)
     elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(name, callback))
@@ -83,5 +99,8 @@ def _when_imported(name: str, callback: Callable[[Any], None]) -> None:
 
 def install() -> None:
     """Idempotent: register now where Lightning is loaded, else as soon as it loads."""
-    _when_imported("lightning.pytorch.strategies", lambda m: register_lightning(m.StrategyRegistry))
-    _when_imported("pytorch_lightning.strategies", lambda m: register_pytorch_lightning(m.StrategyRegistry))
+    _when_imported("lightning.pytorch.strategies", "StrategyRegistry", lambda m: register_lightning(m.StrategyRegistry))
+    _when_imported("lightning.fabric.strategies", "STRATEGY_REGISTRY", lambda m: register_fabric(m.STRATEGY_REGISTRY))
+    _when_imported(
+        "pytorch_lightning.strategies", "StrategyRegistry", lambda m: register_pytorch_lightning(m.StrategyRegistry)
+    )

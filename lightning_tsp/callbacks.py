@@ -13,6 +13,9 @@ for the memory figures):
 
 With ``print_every`` > 0 rank 0 also prints one line (step, loss, tokens/s, TFLOP/s) every that many steps: the
 CPU quick start uses it to show the loss falling without a progress bar.
+
+Also here: :class:`TSPModelSummary` (Lightning's ``ModelSummary`` with the TSP model's true FLOPs per batch) and
+:class:`SequenceScoreWriter` (a ``BasePredictionWriter``: per-sequence scores to JSON lines).
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
 
-from lightning_tsp.models.llama import ModelConfig, TSPLlama
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+
+from lightning_tsp.models import named_tsp_models
+from lightning_tsp.models.llama import ModelConfig
 
 
 def model_flops_per_batch(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: str = "none") -> dict[str, int]:
@@ -43,11 +50,15 @@ def model_flops_per_batch(cfg: ModelConfig, batch_size: int, seq_len: int, check
     return training_flops(from_config(cfg), batch_size, seq_len, checkpointing=checkpointing)
 
 
-def _find_tsp_model(module: torch.nn.Module) -> Optional[TSPLlama]:
-    for m in module.modules():
-        if isinstance(m, TSPLlama):
-            return m
-    return None
+def module_flops_per_batch(module: torch.nn.Module, batch_size: int, seq_len: int, kind: str = "model") -> int:
+    """FLOPs of one training micro-batch ``[batch_size, seq_len]`` (global sequences) through every TSP model of
+    ``module`` (each with its own ``activation_checkpointing``); 0 when there is none. ``kind``: ``"model"`` (3x
+    forward), ``"hardware"`` or ``"forward"``."""
+    total = 0
+    for _, model in named_tsp_models(module):
+        flops = model_flops_per_batch(model.cfg, batch_size, seq_len, model.activation_checkpointing)
+        total += flops["model"] // 3 if kind == "forward" else flops[kind]
+    return total
 
 
 def _peak_rss_bytes() -> Optional[int]:
@@ -61,6 +72,14 @@ def _peak_rss_bytes() -> Optional[int]:
 
 class TSPThroughputMonitor(Callback):
     """Tokens/s, model TFLOP/s and peak memory per rank, for TSPStrategy (and other data-parallel strategies).
+
+    Why not Lightning's ``ThroughputMonitor`` (measured with lightning 2.6.6): its ``Throughput`` counts whole
+    samples per device and multiplies by the world size for the global rates, but under TSP the D ranks of a group
+    share every sample. One 128K-token sequence per step on D = 8 ranks at 1 step/s is reported as
+    ``samples_per_sec = 8`` and ``batches_per_sec = 8`` (true: 1), and giving it the true per-device share (1/8
+    sample) raises ``ValueError: Expected samples (0.125) to be greater or equal than batches (1)``. It also logs
+    from rank 0 only (no per-rank peak memory) and has no console line for progress-bar-less runs. This callback
+    counts the global batch behind each rank's slice instead (tokens, model FLOPs from the configuration).
 
     Arguments:
         log_every_n_steps: log every this many optimizer steps (default: the Trainer's ``log_every_n_steps``).
@@ -98,11 +117,7 @@ class TSPThroughputMonitor(Callback):
         dp = int(getattr(strategy, "data_parallel_size", trainer.world_size // tsp))
         seq_len = local_len * tsp  # the strategy handed this rank S/D tokens of every sequence
         tokens = b * seq_len * dp
-        model = _find_tsp_model(pl_module)
-        if model is None:
-            return tokens, 0
-        flops = model_flops_per_batch(model.cfg, b, seq_len, model.activation_checkpointing)["model"]
-        return tokens, flops * dp
+        return tokens, module_flops_per_batch(pl_module, b, seq_len) * dp
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset()
@@ -225,16 +240,77 @@ class TSPThroughputMonitor(Callback):
             print(f"step {trainer.global_step:5d}  val_loss {float(loss):.4f}", flush=True)
 
 
-class SequenceScoreWriter(Callback):
+class TSPModelSummary(ModelSummary):
+    """Lightning's ``ModelSummary`` that reports the TSP model's true FLOPs.
+
+    Lightning 2.6.6's summary counts FLOPs by running ``example_input_array`` through the LightningModule under
+    ``FlopCounterMode``; a TSP LightningModule has no such input (the strategy shards each batch), and a sharded
+    forward would count only this rank's share. Without it Lightning shows 0 FLOPs. This callback reports, as
+    ``Total Flops`` and on the TSP model's row, the FLOPs of ONE FORWARD pass (Lightning's meaning) of one
+    micro-batch of one replica, ``[batch_size, seq_len]`` global sequences, computed from the model's configuration
+    (:func:`module_flops_per_batch`: causal attention counted exactly). ``batch_size`` / ``seq_len`` default to the
+    datamodule's attributes of those names (``TextDataModule`` has both); without them the FLOPs stay 0.
+
+    ``TSPLanguageModel`` installs it in place of Lightning's default summary (``configure_callbacks``); with your
+    own LightningModule pass ``Trainer(callbacks=[TSPModelSummary()])``.
+    """
+
+    def __init__(self, max_depth: int = 1, batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+                 **summarize_kwargs: Any) -> None:
+        super().__init__(max_depth=max_depth, **summarize_kwargs)
+        self.max_depth = max_depth
+        self.summarize_kwargs = summarize_kwargs
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.total_flops: int = 0
+
+    def batch_shape(self, trainer: Trainer) -> Optional[tuple[int, int]]:
+        """``(batch_size, seq_len)`` of one replica's micro-batch: the arguments, else the datamodule's."""
+        data = getattr(trainer, "datamodule", None)
+        b = self.batch_size if self.batch_size is not None else getattr(data, "batch_size", None)
+        s = self.seq_len if self.seq_len is not None else getattr(data, "seq_len", None)
+        return (int(b), int(s)) if isinstance(b, int) and isinstance(s, int) else None
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.max_depth:
+            return
+        from lightning.pytorch.utilities.model_summary import get_human_readable_count, summarize
+
+        summary = summarize(pl_module, max_depth=self.max_depth)  # public properties only below
+        shape = self.batch_shape(trainer)
+        per_model = {}
+        if shape is not None:
+            per_model = {name: module_flops_per_batch(m, *shape, kind="forward")
+                         for name, m in named_tsp_models(pl_module)}
+        self.total_flops = sum(per_model.values())
+        names = summary.layer_names
+        data = [
+            (" ", [str(i) for i in range(len(names))]),
+            ("Name", names),
+            ("Type", summary.layer_types),
+            ("Params", [get_human_readable_count(n) for n in summary.param_nums]),
+            ("Mode", ["train" if mode else "eval" for mode in summary.training_modes]),
+            ("FLOPs", [get_human_readable_count(per_model.get(name, 0)) for name in names]),
+        ]
+        if trainer.is_global_zero:
+            if shape is None:
+                rank_zero_info("TSPModelSummary: no batch_size / seq_len (argument or datamodule attribute): FLOPs 0")
+            self.summarize(data, summary.total_parameters, summary.trainable_parameters, summary.model_size,
+                           summary.total_training_modes, total_flops=self.total_flops, **self.summarize_kwargs)
+
+
+class SequenceScoreWriter(BasePredictionWriter):
     """Writes ``TSPLanguageModel.predict_step``'s per-sequence scores to JSON lines (``lightning-tsp predict``).
 
     One file per data-parallel replica, ``{output_dir}/scores-dp{rank}.jsonl``, written by the first rank of each
     TSP group (every rank of a group holds the same numbers); one line per sequence: ``batch``, ``index`` (within
-    the batch), ``nll_sum``, ``tokens``, ``perplexity``. Rank 0 prints the overall perplexity of its replica.
+    the batch), ``nll_sum``, ``tokens``, ``perplexity``, and ``sample`` (the dataset index, when Lightning tracks
+    it). Rank 0 prints the overall perplexity of its replica. A Lightning ``BasePredictionWriter`` (written at
+    every batch).
     """
 
     def __init__(self, output_dir: str = "predictions") -> None:
-        super().__init__()
+        super().__init__(write_interval="batch")
         self.output_dir = output_dir
         self._file: Any = None
         self._nll = 0.0
@@ -246,6 +322,7 @@ class SequenceScoreWriter(Callback):
         except (AttributeError, RuntimeError):
             return True  # another strategy: every process writes its own replica's file
 
+    @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._nll = self._tokens = 0.0
         if self._writes(trainer):
@@ -255,20 +332,25 @@ class SequenceScoreWriter(Callback):
             dp_rank = trainer.strategy.distributed_sampler_kwargs.get("rank", 0) if trainer.world_size > 1 else 0
             self._file = open(os.path.join(self.output_dir, f"scores-dp{dp_rank}.jsonl"), "w", encoding="utf-8")
 
-    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                             batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not isinstance(outputs, dict) or "nll_sum" not in outputs:
+    @override
+    def write_on_batch_end(self, trainer: Trainer, pl_module: LightningModule, prediction: Any,
+                           batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+        if not isinstance(prediction, dict) or "nll_sum" not in prediction:
             return
-        nll, tokens, ppl = (outputs[k].tolist() for k in ("nll_sum", "tokens", "perplexity"))
+        nll, tokens, ppl = (prediction[k].tolist() for k in ("nll_sum", "tokens", "perplexity"))
         self._nll += sum(nll)
         self._tokens += sum(tokens)
         if self._file is not None:
             import json
 
+            samples = list(batch_indices) if batch_indices is not None and len(batch_indices) == len(nll) else None
             for i, (a, b, c) in enumerate(zip(nll, tokens, ppl)):
-                self._file.write(json.dumps({"batch": batch_idx, "index": i, "nll_sum": a, "tokens": b,
-                                             "perplexity": c}) + "\n")
+                line = {"batch": batch_idx, "index": i, "nll_sum": a, "tokens": b, "perplexity": c}
+                if samples is not None:
+                    line["sample"] = int(samples[i])
+                self._file.write(json.dumps(line) + "\n")
 
+    @override
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._file is not None:
             self._file.close()

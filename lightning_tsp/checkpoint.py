@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
+import re
+import shutil
 import sys
+import time
 import warnings
-from collections.abc import Mapping
+import zipfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -188,6 +194,356 @@ def check_state_compatible(
 def expected_tensor_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The module's state-dict names -> global shapes (a DTensor reports its global shape); no collective."""
     return {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
+
+
+# ---- atomic saves ---------------------------------------------------------------------------------------------
+#
+# TSPStrategy.save_checkpoint writes every checkpoint (DCP directory or single file) to a hidden STAGING sibling and
+# moves it into place only after every rank has finished writing, so a crash or kill at any moment leaves the
+# previous checkpoint of that name loadable and never a half-written one under the real name:
+#
+#   1. rank 0 prepares (``prepare_atomic_save``): an interrupted commit of an earlier save is undone (its PREVIOUS
+#      sibling renamed back), stale staging / trash siblings are removed;
+#   2. every rank writes into the staging sibling; the ranks agree that all of them succeeded;
+#   3. rank 0 commits (``commit_atomic_save``): with ``renameat2(RENAME_EXCHANGE)`` (Linux; ext4, xfs, btrfs, tmpfs)
+#      staging and the old checkpoint swap names in one atomic step, else the old checkpoint is renamed to the
+#      PREVIOUS sibling and staging to the real name (two renames: between them only PREVIOUS holds the complete
+#      older checkpoint, and every reader here falls back to it); the old one is then renamed to a TRASH sibling
+#      and deleted, so a PREVIOUS sibling is always complete.
+#
+# Sibling names start with "." and contain neither "ckpt_" nor end in ".ckpt": Lightning numbers ``hpc_ckpt_N``
+# checkpoints by the digits after "ckpt_" in every name of ``default_root_dir`` and ModelCheckpoint finds
+# ``last*.ckpt`` by suffix, so a staging or trash sibling is never taken for a checkpoint.
+
+STAGING_SUFFIX = ".tsp-staging"
+PREVIOUS_SUFFIX = ".tsp-previous"
+TRASH_SUFFIX = ".tsp-trash"
+DCP_FILE_SUFFIX = ".distcp"
+_CHECKPOINT_FILES = {DCP_METADATA_FILENAME, LIGHTNING_METADATA_FILENAME, TSP_METADATA_FILENAME}
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A checkpoint directory misses files its DCP ``.metadata`` names (an interrupted non-atomic save)."""
+
+
+def _encode_name(name: str) -> str:
+    # injective, and the result never contains "ckpt_" (see above)
+    return name.replace("%", "%25").replace("ckpt_", "ckpt%5F")
+
+
+def _sibling(path: _PathLike, suffix: str) -> Path:
+    path = Path(path)
+    return path.parent / f".{_encode_name(path.name)}{suffix}"
+
+
+def staging_path(path: _PathLike) -> Path:
+    """Where a save of ``path`` is written before it is committed (a hidden sibling)."""
+    return _sibling(path, STAGING_SUFFIX)
+
+
+def previous_path(path: _PathLike) -> Path:
+    """Where the committed checkpoint ``path`` sits while a newer save is being moved in (fallback commit only)."""
+    return _sibling(path, PREVIOUS_SUFFIX)
+
+
+def _trash_paths(path: Path) -> list[Path]:
+    head = _sibling(path, TRASH_SUFFIX).name
+    if not path.parent.is_dir():
+        return []
+    return [p for p in path.parent.iterdir() if p.name == head or p.name.startswith(head + ".")]
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or directory tree; a directory is first renamed to a unique trash name (so it is never seen
+    half-deleted under a name a reader looks at)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    if not path.exists():
+        return
+    if TRASH_SUFFIX not in path.name:
+        trash = path.parent / f"{_sibling(path, TRASH_SUFFIX).name}.{os.getpid()}.{time.monotonic_ns()}"
+        os.rename(path, trash)
+        path = trash
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _looks_like_checkpoint_dir(path: Path) -> bool:
+    """An (empty or) DCP checkpoint directory, complete or not: only files a checkpoint holds."""
+    return all(p.is_file() and (p.name in _CHECKPOINT_FILES or p.name.endswith(DCP_FILE_SUFFIX))
+               for p in path.iterdir())
+
+
+def check_replaceable(path: _PathLike) -> None:
+    """Raise ``IsADirectoryError`` if saving to ``path`` would replace a directory that is not a checkpoint.
+
+    Read-only: every rank calls it before any collective, so a refusal never leaves a rank waiting.
+    """
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink() and not _looks_like_checkpoint_dir(path):
+        foreign = sorted(p.name for p in path.iterdir()
+                         if not (p.name in _CHECKPOINT_FILES or p.name.endswith(DCP_FILE_SUFFIX)))
+        raise IsADirectoryError(
+            f"refusing to save a checkpoint to {path}: it is a directory that is not a checkpoint (it holds "
+            f"{foreign[:5]}), and saving replaces the whole path. Choose another checkpoint path or move it away."
+        )
+
+
+def recover_interrupted_commit(path: _PathLike) -> bool:
+    """If a commit of ``path`` was cut between its two renames (only ``previous_path(path)`` exists), rename the
+    previous checkpoint back to ``path``. Safe to call from several processes at once (one rename wins, the others
+    find ``path`` present). Returns whether it renamed."""
+    path, previous = Path(path), previous_path(path)
+    if path.exists() or path.is_symlink() or not previous.exists():
+        return False
+    try:
+        os.rename(previous, path)
+    except OSError:  # another process was first, or the directory is read-only: readers fall back to `previous`
+        return False
+    return True
+
+
+def prepare_atomic_save(path: _PathLike) -> Path:
+    """Rank 0, before the ranks write: undo an interrupted commit, remove stale staging / trash siblings, create
+    the parent directory. Returns the staging path to write to."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_commit(path)
+    if previous_path(path).exists():  # both exist: a commit finished its renames but not the deletion
+        _remove(previous_path(path))
+    for trash in _trash_paths(path):
+        _remove(trash)
+    staging = staging_path(path)
+    if staging.exists() or staging.is_symlink():  # a save that was interrupted while writing
+        _remove(staging)
+    return staging
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: Any = None  # None: not looked up yet; False: unavailable
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.renameat2
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _renameat2 = fn
+            except (OSError, AttributeError):
+                pass
+    if not _renameat2:
+        return False
+    import ctypes
+
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM):
+        return False  # this file system (NFS, Lustre, ...) cannot swap: the two-rename commit below
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def _step(name: str) -> None:
+    """Test seam: ``_save_step_hook`` (None in normal runs) is called at each step of an atomic save on every rank
+    that reaches it: "written" (all ranks wrote the staging copy, before the commit), "moved_aside" (fallback
+    commit: the old checkpoint is at ``previous_path``, the new one still at ``staging_path``) and "committed"
+    (the new checkpoint is in place, the old one not yet deleted)."""
+    if _save_step_hook is not None:
+        _save_step_hook(name)
+
+
+_save_step_hook: Optional[Callable[[str], None]] = None
+
+
+def commit_atomic_save(path: _PathLike) -> None:
+    """Rank 0, after every rank wrote ``staging_path(path)``: move it to ``path``, replacing an older checkpoint."""
+    path = Path(path)
+    staging = staging_path(path)
+    if staging.is_dir():
+        for f in staging.iterdir():  # DCP fsyncs its shards; meta.pt and tsp_model.json are not
+            if f.name in _CHECKPOINT_FILES:
+                _fsync(f)
+    _fsync(staging)
+    if path.exists() or path.is_symlink():
+        if path.is_symlink():  # e.g. a former ModelCheckpoint(save_last="link"): replace the link, not its target
+            path.unlink()
+            os.rename(staging, path)
+        elif _exchange(staging, path):
+            _step("committed")
+            _remove(staging)  # now the old checkpoint
+        else:
+            previous = previous_path(path)
+            os.rename(path, previous)
+            _step("moved_aside")
+            os.rename(staging, path)
+            _step("committed")
+            _remove(previous)
+    else:
+        os.rename(staging, path)
+    _fsync(path.parent)
+
+
+def checkpoint_problem(path: _PathLike) -> Optional[str]:
+    """Why ``path`` is not a complete checkpoint (None if it is one): for a DCP directory, ``.metadata`` and
+    ``meta.pt`` must exist and every shard file that ``.metadata`` names must be there, at least as long as the
+    data it points into. Reads ``.metadata`` only."""
+    path = Path(path)
+    if path.is_file():  # torch.save writes a zip archive: a truncated one has no end-of-archive record
+        return None if zipfile.is_zipfile(path) else "it is not a complete torch.save file"
+    if not path.is_dir():
+        return "it does not exist"
+    if not (path / DCP_METADATA_FILENAME).is_file():
+        return f"it has no {DCP_METADATA_FILENAME} file"
+    if not (path / LIGHTNING_METADATA_FILENAME).is_file():
+        return f"it has no {LIGHTNING_METADATA_FILENAME} file"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # truncated or corrupt .metadata
+        return f"its {DCP_METADATA_FILENAME} cannot be read ({type(err).__name__}: {err})"
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(need.items()):
+        file = path / rel
+        if not file.is_file():
+            return f"its shard file {rel} is missing"
+        if file.stat().st_size < size:
+            return f"its shard file {rel} is truncated ({file.stat().st_size} of at least {size} bytes)"
+    return None
+
+
+def checkpoint_for_loading(path: _PathLike) -> Path:
+    """The complete checkpoint to load for ``path``: ``path`` itself, or its previous copy when a commit was cut
+    between its two renames. Raises ``FileNotFoundError`` / :class:`IncompleteCheckpointError` with the reason."""
+    path = Path(path)
+    if not path.exists():
+        previous = previous_path(path)
+        if previous.exists() and checkpoint_problem(previous) is None:
+            warnings.warn(f"checkpoint {path} is missing: a save to it was interrupted while replacing it; loading "
+                          f"the complete previous checkpoint of that name, {previous}", stacklevel=2)
+            return previous
+        interrupted = staging_path(path).exists()
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist"
+            + (f" (a save to it was interrupted before it finished: {staging_path(path).name} holds the partial "
+               f"write, which is not loadable)" if interrupted else "")
+            + ". Pass an existing checkpoint, or ckpt_path='auto' with lightning-tsp (the newest complete one)."
+        )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete: {problem}. It was written by an interrupted save that was not atomic "
+            f"(an older lightning-tsp or another strategy) or files were deleted; resume from another checkpoint."
+        )
+    return path
+
+
+# ---- finding the newest checkpoint (ckpt_path="auto") ---------------------------------------------------------
+
+AUTO_CKPT_PATH = "auto"
+_HPC_NAME = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
+
+
+def next_hpc_checkpoint_path(root: _PathLike) -> Path:
+    """``root/hpc_ckpt_{N+1}.ckpt`` for the largest N present (1 if none): the name Lightning's SLURM resume
+    (``ckpt_path="hpc"``, or ``None`` under SLURM) picks up, highest N first."""
+    root = Path(root)
+    numbers = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ()) if (m := _HPC_NAME.match(p.name))]
+    return root / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt"
+
+
+def _checkpoint_time(path: Path) -> float:
+    if path.is_dir():
+        return max((f.stat().st_mtime for f in path.iterdir()), default=path.stat().st_mtime)
+    return path.stat().st_mtime
+
+
+def find_checkpoints(roots: Iterable[_PathLike]) -> list[Path]:
+    """Every complete checkpoint below ``roots``: DCP directories and ``*.ckpt`` files, newest first.
+
+    Hidden entries (staging / previous / trash siblings of interrupted saves) and symbolic links (e.g.
+    ``ModelCheckpoint(save_last="link")``: their targets are found themselves) are skipped; an interrupted commit
+    is undone first (:func:`recover_interrupted_commit`); an incomplete checkpoint directory is skipped with a
+    warning.
+    """
+    found: dict[Path, float] = {}
+    for root in dict.fromkeys(Path(r) for r in roots):
+        if not root.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = Path(dirpath)
+            for name in list(dirnames) + list(filenames):
+                if name.startswith(".") and name.endswith(PREVIOUS_SUFFIX):
+                    original = name[1:-len(PREVIOUS_SUFFIX)].replace("ckpt%5F", "ckpt_").replace("%25", "%")
+                    if recover_interrupted_commit(here / original):
+                        (dirnames if name in dirnames else filenames).append(original)
+            keep = []
+            for name in dict.fromkeys(dirnames):
+                entry = here / name
+                if name.startswith(".") or entry.is_symlink() or not entry.is_dir():
+                    continue
+                if (entry / DCP_METADATA_FILENAME).exists() or (entry / LIGHTNING_METADATA_FILENAME).exists():
+                    problem = checkpoint_problem(entry)
+                    if problem is None:
+                        found[entry] = _checkpoint_time(entry)
+                    else:
+                        warnings.warn(f"skipping incomplete checkpoint {entry}: {problem}", stacklevel=2)
+                    continue  # never descend into a checkpoint
+                keep.append(name)
+            dirnames[:] = keep
+            for name in dict.fromkeys(filenames):
+                entry = here / name
+                if name.startswith(".") or not name.endswith(".ckpt") or entry.is_symlink() or not entry.is_file():
+                    continue
+                if checkpoint_problem(entry) is None:
+                    found[entry] = _checkpoint_time(entry)
+    return sorted(found, key=lambda p: (found[p], str(p)), reverse=True)
+
+
+def find_latest_checkpoint(trainer: Any = None, roots: Iterable[_PathLike] = ()) -> Optional[Path]:
+    """The newest complete checkpoint (by modification time) of a run, or None: ``ckpt_path="auto"``.
+
+    Looks below ``trainer.default_root_dir`` (hpc_ckpt_N of SLURM requeues, ModelCheckpoint's files in any
+    logger version directory) and below the ``dirpath`` of every ``ModelCheckpoint`` callback, plus ``roots``.
+    Use it as ``trainer.fit(model, ckpt_path=find_latest_checkpoint(trainer))``: resume if a checkpoint exists,
+    else start. Every process computes it from the file system alone (no collective), so all ranks agree as long
+    as nothing writes checkpoints meanwhile (true before ``fit`` starts).
+    """
+    search = [Path(r) for r in roots]
+    if trainer is not None:
+        search.append(Path(trainer.default_root_dir))
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath:
+                search.append(Path(dirpath))
+    found = find_checkpoints(search)
+    return found[0] if found else None
 
 
 # ---- consolidation --------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     lightning-tsp fit --config recipes/tiny-cpu.yaml              # LightningCLI: fit / validate / test / predict
     lightning-tsp fit --config recipes/paper-7b-128k.yaml --print_config
+    lightning-tsp fit --config recipes/tiny-cpu.yaml --ckpt_path auto   # resume from the newest checkpoint, if any
     lightning-tsp plan --model paper-7b --seq-len 131072 --gpus 1024 --gpus-per-node 8
     lightning-tsp demo --tsp-size 2 --steps 150                   # plain PyTorch loop, no Lightning
     lightning-tsp consolidate CKPT_DIR OUT                        # DCP checkpoint -> one file
@@ -113,6 +114,33 @@ def _cli_classes() -> dict[str, Any]:
             defaults.update(kwargs.pop("trainer_defaults", None) or {})
             kwargs["trainer_defaults"] = defaults
             super().__init__(*args, **kwargs)
+
+        def _resolve_auto_ckpt_path(self) -> None:
+            """``--ckpt_path auto``: the newest complete checkpoint of the run if any (below default_root_dir and
+            every ModelCheckpoint dirpath: SLURM hpc_ckpt_N, last, top-k), else None (start from scratch)."""
+            from lightning.pytorch.utilities import rank_zero_info
+
+            from lightning_tsp.checkpoint import AUTO_CKPT_PATH, find_latest_checkpoint
+
+            section = self.config_init.get(self.subcommand) if self.subcommand else None
+            if section is None or section.get("ckpt_path") != AUTO_CKPT_PATH:
+                return
+            found = find_latest_checkpoint(self.trainer)
+            section["ckpt_path"] = None if found is None else str(found)
+            rank_zero_info(f"--ckpt_path {AUTO_CKPT_PATH}: " + (f"resuming from {found}" if found is not None else
+                           f"no checkpoint below {self.trainer.default_root_dir} yet, starting from scratch"))
+
+        def before_fit(self) -> None:
+            self._resolve_auto_ckpt_path()
+
+        def before_validate(self) -> None:
+            self._resolve_auto_ckpt_path()
+
+        def before_test(self) -> None:
+            self._resolve_auto_ckpt_path()
+
+        def before_predict(self) -> None:
+            self._resolve_auto_ckpt_path()
 
     _CLASSES.update(TSPArgumentParser=TSPArgumentParser, TSPLightningCLI=TSPLightningCLI)
     return _CLASSES

@@ -142,6 +142,16 @@ class TSPLanguageModel(LightningModule):
                 f"model.overrides.vocab_size to at least {vocab} (a multiple of tsp_size)"
             )
 
+    def configure_callbacks(self) -> list:
+        """Lightning's default ``ModelSummary`` -> :class:`~lightning_tsp.callbacks.TSPModelSummary` (the same table
+        with the model's true FLOPs per batch; a summary the user configured otherwise is left alone)."""
+        from lightning.pytorch.callbacks import ModelSummary
+
+        from lightning_tsp.callbacks import TSPModelSummary
+
+        callbacks = self.trainer.callbacks if self._trainer is not None else []
+        return [TSPModelSummary()] if any(type(c) is ModelSummary for c in callbacks) else []
+
     # ---- steps -------------------------------------------------------------------------------------------------
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:

@@ -278,10 +278,10 @@ def test_fit_tiny_recipe_two_processes(tmp_path):
     assert tps and all(x > 0 for x in tps)
     assert any(r.get("memory/peak_rss_gb/rank1") for r in rows)
 
-    # Lightning injected a DistributedSampler over the data-parallel axis only: D = 2, dp = 1 -> both ranks of
-    # the TSP group read the same samples
+    # TextDataModule's resumable sampler (kept by Lightning: a DistributedSampler) over the data-parallel axis
+    # only: D = 2, dp = 1 -> both ranks of the TSP group read the same samples
     samplers = [json.loads((tmp_path / f"sampler-{r}.json").read_text()) for r in (0, 1)]
     for s in samplers:
-        assert s["sampler"] == "DistributedSampler" and s["num_replicas"] == 1 and s["rank"] == 0
+        assert s["sampler"] == "ResumableDistributedSampler" and s["num_replicas"] == 1 and s["rank"] == 0
     config = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
     assert config["trainer"]["strategy"]["class_path"] == TSP_CLASS

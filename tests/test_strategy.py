@@ -261,10 +261,16 @@ def _trainer(**kwargs):
 
 
 def test_registered_name_and_defaults():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    lightning_tsp.strategy.register_strategy()  # idempotent
-    lightning_tsp.strategy.register_strategy(StrategyRegistry)
+    from lightning_tsp import _registration
+
+    _registration.install()  # idempotent: the one registration path (import lightning_tsp calls it)
+    _registration.install()
+    assert "tsp" in StrategyRegistry and "tsp" in STRATEGY_REGISTRY
+    assert not hasattr(lightning_tsp.strategy, "register_strategy")
+    assert "register_strategies" not in vars(TSPStrategy)  # no second path through Lightning's class hook
     trainer = _trainer(strategy="tsp", devices=2)
     strategy = trainer.strategy
     assert type(strategy) is TSPStrategy and strategy.tsp_size == 2 and strategy.data_parallel_size == 1
@@ -276,7 +282,21 @@ def test_registered_name_and_defaults():
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 def test_supported_precisions(precision):
-    assert _trainer(strategy="tsp", devices=2, precision=precision).strategy.precision_plugin.precision == precision
+    from lightning_tsp.strategy import TSPHalfPrecision, TSPMixedPrecision, TSPPrecision
+
+    plugin = _trainer(strategy="tsp", devices=2, precision=precision).strategy.precision_plugin
+    assert plugin.precision == precision
+    # the TSP subclass of Lightning's plugin: its clip_grad_by_norm is the exact TSP norm (a public override)
+    want = {"32-true": TSPPrecision, "bf16-mixed": TSPMixedPrecision, "bf16-true": TSPHalfPrecision}[precision]
+    assert type(plugin) is want and "clip_grad_by_norm" not in vars(plugin)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", 16])
+def test_cpu_16_mixed_runs_as_bf16_mixed_like_lightning(precision):
+    # Lightning itself runs CPU "16-mixed" as bf16-mixed (with a warning): a supported precision, accepted as is
+    with pytest.warns(UserWarning, match="bf16-mixed"):
+        plugin = _trainer(strategy="tsp", devices=2, precision=precision).strategy.precision_plugin
+    assert plugin.precision == "bf16-mixed" and plugin.scaler is None
 
 
 @pytest.mark.parametrize(
@@ -286,14 +306,13 @@ def test_supported_precisions(precision):
         (dict(strategy=TSPStrategy(tsp_size=4), devices=2), "tsp_size=4 does not divide the world size 2"),
         (dict(strategy=TSPStrategy(tsp_size=2), devices=3, num_nodes=2), "does not divide the 3 devices per node"),
         (dict(strategy=TSPStrategy(tsp_size=2, data_parallel_size=3), devices=4), "data_parallel_size=3"),
-        (dict(strategy="tsp", devices=2, precision="16-mixed"), "precision='16-mixed'.*bf16-mixed"),
-        (dict(strategy="tsp", devices=2, precision=16), "precision='16-mixed'"),
-        (dict(strategy="tsp", devices=2, precision="16-true"), "precision='16-true'"),
+        (dict(strategy="tsp", devices=2, precision="16-true"), "precision='16-true'.*bf16-mixed"),
+        (dict(strategy="tsp", devices=2, precision="64-true"), "precision='64-true'"),
         (dict(strategy=TSPStrategy(), devices=2, precision="16-mixed"), "16-mixed"),
         (dict(strategy="tsp", devices=2, plugins="MIXED16"), "precision='16-mixed'"),
     ],
-    ids=["not-dividing-world", "larger-than-world", "straddles-nodes", "bad-dp", "16-mixed", "16-int", "16-true",
-         "16-mixed-instance", "16-mixed-plugin"],
+    ids=["not-dividing-world", "larger-than-world", "straddles-nodes", "bad-dp", "16-true", "64-true",
+         "16-mixed-instance", "16-mixed-gpu-plugin"],
 )
 def test_invalid_settings_raise_before_any_collective(kwargs, match):
     if kwargs.get("plugins") == "MIXED16":

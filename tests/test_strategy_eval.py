@@ -37,7 +37,7 @@ def lightning_module_class():
     from lightning.pytorch import LightningModule
 
     from lightning_tsp.metrics import Perplexity
-    from lightning_tsp.strategy import predict_logprobs
+    from lightning_tsp import predict_logprobs
 
     class EvalLM(LightningModule):
         def __init__(self, cfg, optimizer: str = "sgd", record_grads: bool = False, hf_config=None):
