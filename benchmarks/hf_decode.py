@@ -3,8 +3,9 @@
 The same shapes as a lightning_tsp preset (random weights, bf16), ``LlamaForCausalLM`` with SDPA attention, greedy.
 Per-token time = (time of ``generate`` with N2 new tokens - time with N1) / (N2 - N1), median over repeats: the
 prefill and the first token cancel. Two cache modes: ``dynamic`` (eager, the default cache) and ``static``
-(``cache_implementation="static"``, the forward compiled with ``torch.compile(mode="reduce-overhead")``: CUDA
-graphs).
+(``cache_implementation="static"``, which Hugging Face compiles on its own: ``generation_config.compile_config``,
+CUDA graphs). Wrapping the forward in ``torch.compile(mode="reduce-overhead")`` by hand instead fails inside
+``generate`` (a CUDA-graph output read after the next replay overwrote it; transformers 5.17, torch 2.11).
 
     python benchmarks/hf_decode.py --model paper-7b --prompt-lens 2048 32768 --modes dynamic static
 """
@@ -70,7 +71,6 @@ def main(argv=None) -> None:
                 kw = dict(do_sample=False, pad_token_id=0)
                 if mode == "static":
                     kw.update(cache_implementation="static")
-                    model.forward = torch.compile(model.__class__.forward.__get__(model), mode="reduce-overhead")
 
                 def run(n):
                     torch.cuda.synchronize()
@@ -89,9 +89,6 @@ def main(argv=None) -> None:
             except Exception as exc:  # noqa: BLE001 - a failed rival row says why
                 row["status"] = "error"
                 row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-            finally:
-                if mode == "static":
-                    del model.forward
             rows.append(row)
             print("HF_ROW " + json.dumps(row), flush=True)
             if args.out:

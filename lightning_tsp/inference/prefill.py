@@ -23,6 +23,11 @@ from lightning_tsp.layers.attention import broadcast_attention
 from lightning_tsp.schedules.comm import pack
 from lightning_tsp.zigzag import zigzag_positions, zigzag_shard
 
+# slots per cache row rounded up to this on CUDA: the decode GEMMs' fp32 scores and bf16 probabilities [.., T] then
+# have 16-byte-aligned rows (an odd T forces cuBLAS off its vectorised kernels when g > 1 query heads share a KV
+# head)
+CUDA_SLOT_ALIGN = 64
+
 
 def attention_prefill(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
     """The layer's own broadcast schedule (:func:`~lightning_tsp.layers.attention.broadcast_attention`, forward
@@ -65,7 +70,7 @@ def prefill(model, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -
     cache = KVCache.allocate(
         n_layers=cfg.n_layers, batch=b, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         prefill_slots=s // d, decode_steps=decode_steps, rank=p, size=d, prompt_lens=prompt_lens,
-        dtype=x.dtype, device=device,
+        dtype=x.dtype, device=device, align=CUDA_SLOT_ALIGN if device.type == "cuda" else 1,
     )
     real = positions[None, :] < prompt_lens.to(device)[:, None]  # [B, S/D]
     cache.slot_pos[:, : s // d] = torch.where(real, positions[None, :], -1)
