@@ -438,6 +438,42 @@ def checkpoint_problem(path: _PathLike) -> Optional[str]:
     return None
 
 
+def atomic_save(strategy: Any, path: _PathLike, write: Callable[[Path], None]) -> None:
+    """Every rank calls this: ``write(staging)`` writes this rank's part of the checkpoint into the hidden staging
+    sibling of ``path``; rank 0 moves it into place only after every rank wrote its part. ``strategy`` is a Trainer
+    or Fabric strategy (``broadcast``, ``reduce_boolean_decision``, ``global_rank``). An error on any rank is
+    raised on every rank (none waits forever) and leaves ``path`` as it was."""
+    path = Path(strategy.broadcast(str(path)))
+    check_replaceable(path)  # every rank, before any further collective
+    _on_rank_zero(strategy, lambda: prepare_atomic_save(path), f"preparing to save {path}")
+    error: Optional[Exception] = None
+    try:
+        write(staging_path(path))
+    except Exception as err:  # every rank must learn of it: the others would wait for the commit
+        error = err
+    if not strategy.reduce_boolean_decision(error is None, all=True):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"saving checkpoint {path} failed on another rank (see its error); {path} is unchanged")
+    _step("written")
+    _on_rank_zero(strategy, lambda: commit_atomic_save(path), f"committing checkpoint {path}")
+
+
+def _on_rank_zero(strategy: Any, fn: Callable[[], Any], what: str) -> None:
+    """Run ``fn`` (file operations) on global rank 0 and raise its error on every rank."""
+    error: Optional[BaseException] = None
+    if strategy.global_rank == 0:
+        try:
+            fn()
+        except Exception as err:
+            error = err
+    message = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"{what} failed on global rank 0: {message}")
+
+
 def checkpoint_for_loading(path: _PathLike) -> Path:
     """The complete checkpoint to load for ``path``: ``path`` itself, or its previous copy when a commit was cut
     between its two renames. Raises ``FileNotFoundError`` / :class:`IncompleteCheckpointError` with the reason."""

@@ -315,7 +315,8 @@ class TSPFabricStrategy(ModelParallelStrategy):
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """A sharded DCP directory in the Trainer's layout, plus ``meta.pt`` (everything not a model or an
-        optimizer) and ``tsp_model.json``; every model / optimizer tensor checked to be a DTensor first."""
+        optimizer) and ``tsp_model.json``; every model / optimizer tensor checked to be a DTensor first. Written
+        atomically like the Trainer's checkpoints (a crash leaves the previous checkpoint loadable)."""
         if storage_options is not None or filter is not None:
             raise TSPConfigError("TSPFabricStrategy.save_checkpoint takes no storage_options and no filter")
         from torch.distributed.checkpoint import save as dcp_save
@@ -345,15 +346,14 @@ class TSPFabricStrategy(ModelParallelStrategy):
             _ckpt.METADATA_KEY: tsp_metadata, FABRIC_OPTIMIZER_KEYS: [k for k, _ in optimizers],
             "pytorch-lightning_version": lightning.__version__,
         })
-        target = Path(self.broadcast(str(path)))
-        if target.is_file():
-            raise TSPConfigError(f"checkpoint path {target} is a file; TSP checkpoints are directories")
-        target.mkdir(parents=True, exist_ok=True)
-        dcp_save(converted, checkpoint_id=target)
-        if self.global_rank == 0:
-            torch.save(metadata, target / _ckpt.LIGHTNING_METADATA_FILENAME)
-            _ckpt.write_module_metadata(target, tsp_metadata)
-        self.barrier()
+        def write(staging: Path) -> None:  # atomic, as the Trainer's saves (checkpoint.atomic_save)
+            staging.mkdir(parents=True, exist_ok=True)
+            dcp_save(converted, checkpoint_id=staging)
+            if self.global_rank == 0:
+                torch.save(metadata, staging / _ckpt.LIGHTNING_METADATA_FILENAME)
+                _ckpt.write_module_metadata(staging, tsp_metadata)
+
+        _ckpt.atomic_save(self, path, write)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
@@ -370,7 +370,7 @@ class TSPFabricStrategy(ModelParallelStrategy):
             state = {"model": state}
         if not state:
             raise TSPConfigError("TSPFabricStrategy.load_checkpoint needs state={'model': model, ...}")
-        source = Path(path)
+        source = _ckpt.checkpoint_for_loading(path)  # the committed copy; incomplete checkpoints refused
         if not _ckpt.is_sharded_checkpoint(source):
             raise TSPConfigError(
                 f"{source} is not a sharded TSP checkpoint directory (no {_ckpt.DCP_METADATA_FILENAME} in it)"

@@ -413,37 +413,12 @@ class TSPStrategy(ModelParallelStrategy):
         checkpoint[_ckpt.METADATA_KEY] = metadata
         # Atomic (lightning_tsp/checkpoint.py, "atomic saves"): every rank writes a hidden staging sibling, and
         # rank 0 moves it into place only after all ranks wrote theirs; a crash leaves the previous checkpoint.
-        path = Path(self.broadcast(str(filepath)))
-        _ckpt.check_replaceable(path)  # every rank, before any further collective
-        self._checkpoint_file_step(lambda: _ckpt.prepare_atomic_save(path), f"preparing to save {path}")
-        staging = _ckpt.staging_path(path)
-        error: Optional[Exception] = None
-        try:
-            super().save_checkpoint(checkpoint, staging, storage_options)
+        def write(staging: Path) -> None:
+            super(TSPStrategy, self).save_checkpoint(checkpoint, staging, storage_options)
             if self._save_distributed_checkpoint and self.global_rank == 0:
                 _ckpt.write_module_metadata(staging, metadata)
-        except Exception as err:  # every rank must learn of it: the others would wait for the commit
-            error = err
-        if not self.reduce_boolean_decision(error is None, all=True):
-            if error is not None:
-                raise error
-            raise RuntimeError(f"saving checkpoint {path} failed on another rank (see its error); {path} is unchanged")
-        _ckpt._step("written")
-        self._checkpoint_file_step(lambda: _ckpt.commit_atomic_save(path), f"committing checkpoint {path}")
 
-    def _checkpoint_file_step(self, fn: Any, what: str) -> None:
-        """Run ``fn`` (file operations) on global rank 0 and raise its error on every rank (none waits forever)."""
-        error: Optional[BaseException] = None
-        if self.global_rank == 0:
-            try:
-                fn()
-            except Exception as err:
-                error = err
-        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        if message is not None:
-            raise RuntimeError(f"{what} failed on global rank 0: {message}")
+        _ckpt.atomic_save(self, filepath, write)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # the committed copy (a commit cut between its renames leaves only the previous one); a clear error if
