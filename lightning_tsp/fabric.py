@@ -409,8 +409,12 @@ class TSPFabricStrategy(ModelParallelStrategy):
             raise KeyError(f"The requested state contains keys {absent} that the checkpoint {source} does not hold. "
                            f"To disable strict loading, set `strict=False`.")
         for k in requested:
-            if k in metadata:
-                state[k] = metadata.pop(k)
+            if k in metadata:  # a stateful object (e.g. a ResumableDataLoader) is restored in place, as Fabric does
+                value = metadata.pop(k)
+                if isinstance(state[k], _Stateful):
+                    state[k].load_state_dict(value)
+                else:
+                    state[k] = value
         return metadata
 
 

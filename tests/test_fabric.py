@@ -218,3 +218,73 @@ def test_fabric_strategy_name_and_refusals():
     with pytest.raises(TSPConfigError, match="set up the model first"):
         fabric.strategy.setup_module_and_optimizers(torch.nn.Linear(2, 2), [])
     assert not dist.is_initialized()
+
+
+# ---- mid-epoch resume with Fabric: the data position is part of the checkpoint ----------------------------------
+
+RESUME_STEPS, RESUME_AT = 6, 3
+
+
+def _resume_fabric(tsp_size: int, world_size: int):
+    from lightning.fabric import Fabric
+
+    from lightning_tsp.fabric import TSPFabricStrategy
+
+    fabric = Fabric(strategy=TSPFabricStrategy(tsp_size=tsp_size, timeout=timedelta(seconds=90)), accelerator="cpu",
+                    devices=world_size)
+    fabric.launch()
+    return fabric
+
+
+def _resume_run(fabric, cfg, data, global_batch: int, steps: range, load: str | None, save: str | None):
+    """Train ``steps`` with AdamW over a ResumableDataLoader (shuffled); ``load``/``save`` a checkpoint holding the
+    model, the optimizer and the loader. Returns the global token-mean loss of each step (the mean over ranks)."""
+    from lightning_tsp.sampler import ResumableDataLoader, ResumableDistributedSampler
+
+    kwargs = fabric.strategy.distributed_sampler_kwargs
+    sampler = ResumableDistributedSampler(data, global_batch // kwargs["num_replicas"], shuffle=True, seed=7, **kwargs)
+    loader = ResumableDataLoader(data, sampler)
+    model = fabric.setup_module(TSPLlama(cfg, device="meta"))
+    optimizer = fabric.setup_optimizers(make_optimizer("adamw", model.parameters()))
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    if load is not None:
+        fabric.load(load, state)
+    sampler.set_epoch(0)
+    losses, batches = [], iter(loader)
+    for step in steps:
+        batch = fabric.strategy.batch_to_device(next(batches))
+        loss = model(**batch)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_gather_mean(loss.detach().double(), fabric.world_size))
+        if save is not None and step + 1 == RESUME_AT:
+            fabric.save(save, state)
+            break
+    return losses
+
+
+def _resume_worker(rank, world_size, tmp):
+    cfg = shapes_for(2, gqa=True)
+    global_batch = 4
+    data = make_dataset(cfg, global_batch * (RESUME_STEPS + 2))  # an epoch longer than the run: resume mid-epoch
+    ck = os.path.join(tmp, "mid-epoch")
+    fabric = _resume_fabric(2, world_size)  # D = 2, dp = 1
+    whole = _resume_run(fabric, cfg, data, global_batch, range(RESUME_STEPS), None, None)
+    first = _resume_run(fabric, cfg, data, global_batch, range(RESUME_STEPS), None, ck)
+    assert len(first) == RESUME_AT
+    same = _resume_run(fabric, cfg, data, global_batch, range(RESUME_AT, RESUME_STEPS), ck, None)
+    other = _resume_run(_resume_fabric(1, world_size), cfg, data, global_batch,  # D = 1, dp = 2
+                        range(RESUME_AT, RESUME_STEPS), ck, None)
+    if rank == 0:
+        want = torch.stack(whole)
+        assert_close("Fabric resumed mid-epoch, same layout", torch.stack(first + same), want, 1e-6)
+        assert_close("Fabric resumed mid-epoch at D=1 x dp=2", torch.stack(first + other), want, 1e-6)
+        # without the loader's position the resumed run would re-read the first batches of the epoch
+        assert not torch.allclose(torch.stack(whole[:RESUME_STEPS - RESUME_AT]), want[RESUME_AT:], rtol=1e-3)
+    dist.barrier()
+
+
+@pytest.mark.timeout(240)
+def test_fabric_resumes_mid_epoch_exactly(tmp_path):
+    run_ranks(_resume_worker, 2, str(tmp_path), timeout=220.0)
