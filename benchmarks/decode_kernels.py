@@ -4,8 +4,8 @@ slots, returning the partial output and its log-sum-exp (what a TSP decode step 
 Times each candidate (CUDA events, median of repeats) at several cache lengths, with the bytes it must read
 (the cache once) as an effective bandwidth, and its error against fp64 explicit attention.
 
-    python benchmarks/decode_kernels.py --lens 2048 16384 131072 --heads 32 32
-    python benchmarks/decode_kernels.py --profile-step   # + a torch.profiler table of one paper-7b decode step
+    python -m benchmarks.decode_kernels --lens 2048 16384 131072 --heads 32 32
+    python -m benchmarks.decode_kernels --profile-step   # + a torch.profiler table of one paper-7b decode step
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def profile_step(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lens", type=int, nargs="+", default=[2048, 16384, 131072])
     ap.add_argument("--heads", type=int, nargs=2, default=[32, 32], metavar=("HQ", "HKV"))
     ap.add_argument("--batch", type=int, default=1)

@@ -1,7 +1,7 @@
 """One GPU plays rank r of a TSP group of D with PyTorch's fake process group (collectives return at once):
 a rank's exact peak memory and compute time for a training step (communication time excluded).
 
-    python benchmarks/fake_pg_step.py --model paper-7b --seq-len 131072 --tsp-size 8 --layers 32 \
+    python -m benchmarks.fake_pg_step --model paper-7b --seq-len 131072 --tsp-size 8 --layers 32 \
         --checkpointing full --steps 3
 
 bf16 autocast with fp32 master weights, AdamW; prints peak memory (GB) and the median step time.
@@ -21,7 +21,7 @@ from lightning_tsp.models.llama import get_config
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.fake_pg_step")
     ap.add_argument("--model", default="paper-7b")
     ap.add_argument("--seq-len", type=int, default=131072)
     ap.add_argument("--tsp-size", type=int, default=8)

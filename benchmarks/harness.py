@@ -6,16 +6,16 @@ Strategies (benchmarks/baselines/): tsp, tp, tp_sp (Megatron-style sequence para
 parallelism, all-gathered K/V), tp_x_sp (T x S mesh), fsdp_cp (FSDP2 over the context-parallel axis).
 
 One configuration (in this process):
-    python benchmarks/harness.py --strategy tp_sp --model paper-7b --seq-len 131072 --world 8
+    python -m benchmarks.harness --strategy tp_sp --model paper-7b --seq-len 131072 --world 8
 A sweep (each configuration in a fresh subprocess; an OOM becomes a row saying OOM):
-    python benchmarks/harness.py --sweep tp:16384,32768 tp_sp:16384 tp_x_sp=2x4:131072 --model paper-7b \
+    python -m benchmarks.harness --sweep tp:16384,32768 tp_sp:16384 tp_x_sp=2x4:131072 --model paper-7b \
         --world 8 --out results.md
 The longest sequence that fits a memory budget (doubling + bisection; optionally on fewer layers, extrapolated
 linearly in layers):
-    python benchmarks/harness.py --max-context --strategy tsp --model paper-7b --world 8 --budget-gb 140 \
+    python -m benchmarks.harness --max-context --strategy tsp --model paper-7b --world 8 --budget-gb 140 \
         --probe-layers 1 2
 Rows are printed as a markdown table, written to --out, and appended as JSON lines to --jsonl
-(default: --out with the suffix .jsonl). benchmarks/plot.py turns the JSON lines into plots.
+(default: --out with the suffix .jsonl). benchmarks.plot turns the JSON lines into plots.
 """
 
 from __future__ import annotations
@@ -25,16 +25,12 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (str(ROOT), str(ROOT / "benchmarks")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from benchmarks.runner import (Deadline, append_jsonl, first_line, fmt, is_oom, jsonl_path, md_table, parse_seq,
+                               run_config, seq_label, write_text)
 
 STRATEGIES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "fsdp_cp")
 EXCLUDED = "all communication (fake process group: collectives return at once)"
@@ -55,7 +51,8 @@ CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--strategy", choices=STRATEGIES, default="tsp")
     ap.add_argument("--seq-len", type=int, default=131072)
     ap.add_argument("--model", default="paper-7b", help="a preset of lightning_tsp.models.llama.PRESETS")
@@ -150,7 +147,7 @@ def single_command(args, strategy=None, seq=None, layers=None, tp=None, sp=None,
     else:
         vals["tp"] = vals["sp"] = None
     defaults = vars(parse_args([]))
-    cmd = ["python", "benchmarks/harness.py", "--strategy", vals["strategy"], "--seq-len", str(vals["seq_len"])]
+    cmd = ["python", "-m", "benchmarks.harness", "--strategy", vals["strategy"], "--seq-len", str(vals["seq_len"])]
     for k in CONFIG_OPTS:
         v = vals[k]
         if v is None or (k not in ("model", "world") and v == defaults.get(k)):
@@ -163,17 +160,8 @@ def single_command(args, strategy=None, seq=None, layers=None, tp=None, sp=None,
 # one measurement (in this process)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
-    msg = str(exc)
-    return isinstance(exc, oom_types) or "out of memory" in msg.lower() or "ALLOC_FAILED" in msg
-
-
 def make_setup(args, cfg, device: str):
-    from baselines.common import Setup
+    from benchmarks.baselines.common import Setup
 
     return Setup(cfg, args.strategy, args.world, args.rank, args.seq_len, args.micro_batch,
                  tp=args.tp or 1, sp=args.sp or 1, checkpointing=args.checkpointing, device=device,
@@ -191,8 +179,8 @@ def measure(args) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from baselines import build
-    from baselines.common import prime_optimizer
+    from benchmarks.baselines import build
+    from benchmarks.baselines.common import prime_optimizer
 
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*deprecated")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -227,10 +215,10 @@ def measure(args) -> dict:
         row["status"] = "ok"
         row["loss"] = float(loss) if torch.isfinite(loss).all() else None  # fake collectives: not meaningful
     except Exception as exc:  # noqa: BLE001 - reported in the row
-        if not _is_oom(exc):
+        if not is_oom(exc):
             raise
         row["status"] = "OOM"
-        row["error"] = str(exc).splitlines()[0][:300]
+        row["error"] = first_line(exc)
     if cuda:
         row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
         row["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
@@ -326,18 +314,10 @@ def finalize(row: dict) -> dict:
 # output
 # ---------------------------------------------------------------------------------------------------------------
 
-def _fmt(v, spec: str, none: str = "n/a") -> str:
-    return none if v is None else format(v, spec)
-
-
-def seq_label(n: int) -> str:
-    return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
 def format_table(rows: list[dict]) -> str:
-    head = ("| strategy | layout | seq | peak GB | step s | tokens/s per GPU | model TFLOP/s | predicted comm s "
-            "(overlappable + exposed) | step with comm s | anchor GB / s | command |")
-    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    head = ["strategy", "layout", "seq", "peak GB", "step s", "tokens/s per GPU", "model TFLOP/s",
+            "predicted comm s (overlappable + exposed)", "step with comm s", "anchor GB / s", "command"]
+    cells = []
     for r in rows:
         st = r.get("status")
         peak = r.get("peak_gb")
@@ -346,7 +326,7 @@ def format_table(rows: list[dict]) -> str:
         elif st != "ok":
             peak_s = st or "?"
         else:
-            peak_s = _fmt(peak, ".2f")
+            peak_s = fmt(peak, ".2f")
             if r.get("fits_budget") is False:
                 peak_s += " (over budget)"
         if r.get("extrapolated_from"):
@@ -359,71 +339,53 @@ def format_table(rows: list[dict]) -> str:
             anchor = f"{r['anchor_peak_gb']:.2f} / {r['anchor_step_s']:.3f}"
             if r.get("anchor_peak_dev") is not None:
                 anchor += f" ({r['anchor_peak_dev']:+.0%} / {r.get('anchor_step_dev', 0):+.0%})"
-        lines.append("| " + " | ".join([
-            r["strategy"], r.get("layout") or "", seq_label(r["seq_len"]), peak_s, _fmt(r.get("step_s"), ".3f"),
-            _fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), _fmt(r.get("model_tflops_per_gpu"), ".0f"), comm,
-            _fmt(r.get("pred_step_with_comm_s"), ".3f"), anchor, f"`{r['command']}`",
-        ]) + " |")
+        cells.append([
+            r["strategy"], r.get("layout") or "", seq_label(r["seq_len"]), peak_s, fmt(r.get("step_s"), ".3f"),
+            fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt(r.get("model_tflops_per_gpu"), ".0f"), comm,
+            fmt(r.get("pred_step_with_comm_s"), ".3f"), anchor, f"`{r['command']}`",
+        ])
     r0 = rows[0] if rows else {}
-    lines.append("")
-    lines.append(
+    return md_table(head, cells) + "\n\n" + (
         f"One GPU ({r0.get('device', '?')}, torch {r0.get('torch', '?')}) plays rank {r0.get('rank', 0)} of the group; "
         f"excluded: {EXCLUDED}. Predicted comm: {r0.get('comm_model', 'n/a')} (overlappable traffic can hide behind "
         "compute, exposed traffic adds to the step; 'step with comm' = max(step, overlappable) + exposed). "
         "Model TFLOP/s counts 6 x params x tokens + causal attention exactly, not recompute. Peak = "
         "torch.cuda.max_memory_allocated / 1e9.")
-    return "\n".join(lines)
 
 
 def emit(rows: list[dict], args) -> None:
     table = format_table(rows)
     print(table, flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
-    jsonl = args.jsonl or (str(Path(args.out).with_suffix(".jsonl")) if args.out else None)
-    if jsonl:
-        with open(jsonl, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_text(args.out, table)
+    append_jsonl(rows, jsonl_path(args.out, args.jsonl))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # subprocesses: sweeps, layer extrapolation, max context
 # ---------------------------------------------------------------------------------------------------------------
 
-def run_child(args, strategy, seq, layers=None, tp=None, sp=None, timeout=None) -> dict:
-    """Measure one configuration in a fresh Python process (peaks do not mix; a crash becomes a row)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "row.json")
-        cmd = single_command(args, strategy, seq, layers, tp, sp)
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "harness.py")] + cmd[2:] + [
-            "--gpus-per-node", str(args.gpus_per_node), "--hardware", args.hardware, "--json-out", out]
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=timeout or args.timeout_s)
-            rc, err = proc.returncode, proc.stderr
-        except subprocess.TimeoutExpired:
-            rc, err = None, "timeout"
-        if rc == 0 and os.path.exists(out):
-            with open(out) as f:
-                row = json.load(f)
-        else:
-            ns = argparse.Namespace(**{**vars(args), "strategy": strategy, "seq_len": seq,
-                                       "layers": layers if layers is not None else args.layers,
-                                       "tp": tp if strategy == "tp_x_sp" else None,
-                                       "sp": sp if strategy == "tp_x_sp" else None})
-            if strategy == "tp_x_sp":
-                ns.world = tp * sp
-            row = base_row(ns, model_config(ns))
-            oom = err != "timeout" and ("out of memory" in err.lower() or "ALLOC_FAILED" in err)
-            row["status"] = "OOM" if oom else ("timeout" if err == "timeout" else "error")
-            tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] if err else []
-            row["error"] = tail[0][:300] if tail else f"exit code {rc}"
-            row = finalize(row)
-        row["wall_s"] = time.perf_counter() - t0
-        return row
+def config_args(args, strategy, seq, tp=None, sp=None, layers=None) -> argparse.Namespace:
+    """``args`` for one configuration of a sweep."""
+    xsp = strategy == "tp_x_sp"
+    ns = argparse.Namespace(**{**vars(args), "strategy": strategy, "seq_len": seq, "tp": tp if xsp else None,
+                               "sp": sp if xsp else None})
+    if layers is not None:
+        ns.layers = layers
+    if xsp:
+        ns.world = tp * sp
+    return ns
+
+
+def run_child(args, strategy, seq, layers=None, tp=None, sp=None, timeout=None, env=None) -> dict:
+    """Measure one configuration in a fresh Python process (peaks do not mix; a crash or an OOM becomes a row)."""
+    argv = single_command(args, strategy, seq, layers, tp, sp)[3:]
+    argv += ["--gpus-per-node", str(args.gpus_per_node), "--hardware", args.hardware]
+    row = run_config("benchmarks.harness", argv, timeout or args.timeout_s, env)
+    if "strategy" not in row:  # no row from the child: say why, with everything known without measuring
+        ns = config_args(args, strategy, seq, tp, sp, layers)
+        row = {**finalize({**base_row(ns, model_config(ns)), "status": row.pop("status"), "error": row.pop("error")}),
+               **row}
+    return row
 
 
 def extrapolated(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
@@ -453,14 +415,8 @@ def extrapolated(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
     return finalize(row)
 
 
-def config_args(args, strategy, seq, tp=None, sp=None) -> argparse.Namespace:
-    ns = argparse.Namespace(**{**vars(args), "strategy": strategy, "seq_len": seq, "tp": tp, "sp": sp})
-    if strategy == "tp_x_sp":
-        ns.world = tp * sp
-    return ns
-
-
 def measure_any(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
+    """One row of a sweep: in this process (--in-process), extrapolated in layers (--probe-layers) or in a child."""
     if args.in_process:
         t0 = time.perf_counter()
         row = measure(config_args(args, strategy, seq, tp, sp))
@@ -486,25 +442,21 @@ def parse_sweep(specs: list[str], args) -> list[tuple]:
             else:
                 tp = args.tp or 2
                 sp = args.sp or args.world // tp
-        for s in (seqs or str(args.seq_len)).split(","):
-            n = s.strip().upper()
-            mult = 1 << 20 if n.endswith("M") else 1024 if n.endswith("K") else 1
-            out.append((name, int(n.rstrip("MK")) * mult, tp, sp))
+        out += [(name, parse_seq(s), tp, sp) for s in (seqs or str(args.seq_len)).split(",")]
     return out
 
 
 def sweep(args) -> list[dict]:
-    t0 = time.perf_counter()
+    clock = Deadline(args.deadline_s)
     rows = []
     for strategy, seq, tp, sp in parse_sweep(args.sweep, args):
-        left = args.deadline_s - (time.perf_counter() - t0)
-        if left <= 0:
+        if clock.left() <= 0:
             print(f"# deadline reached: skipped {strategy} {seq}", file=sys.stderr)
             continue
-        row = measure_any(args, strategy, seq, tp, sp, timeout=min(args.timeout_s, max(left, 30)))
+        row = measure_any(args, strategy, seq, tp, sp, timeout=clock.limit(args.timeout_s))
         rows.append(row)
-        print(f"# {strategy} {row.get('layout', '')} S={seq}: {row['status']} peak {_fmt(row.get('peak_gb'), '.2f')} "
-              f"GB step {_fmt(row.get('step_s'), '.3f')} s ({row['wall_s']:.0f} s wall)", file=sys.stderr, flush=True)
+        print(f"# {strategy} {row.get('layout', '')} S={seq}: {row['status']} peak {fmt(row.get('peak_gb'), '.2f')} "
+              f"GB step {fmt(row.get('step_s'), '.3f')} s ({row['wall_s']:.0f} s wall)", file=sys.stderr, flush=True)
     return rows
 
 
@@ -516,7 +468,7 @@ def max_context(args) -> list[dict]:
     """Longest sequence whose peak stays within --budget-gb: doubling until a failure, then bisection down to
     --resolution; once two fitting points are known, the next probe is also capped by their linear fit (peak is
     close to linear in the sequence length with flash-style attention), which saves the slowest probes."""
-    t0 = time.perf_counter()
+    clock = Deadline(args.deadline_s)
     q = args.resolution
     tp, sp = (args.tp, args.sp) if args.strategy == "tp_x_sp" else (None, None)
     fits: dict[int, dict] = {}
@@ -524,14 +476,13 @@ def max_context(args) -> list[dict]:
     lo, hi = None, None
 
     def probe(seq):
-        left = args.deadline_s - (time.perf_counter() - t0)
-        if left <= 0:
+        if clock.left() <= 0:
             return None
-        r = measure_any(args, args.strategy, seq, tp, sp, timeout=min(args.timeout_s, max(left, 30)))
+        r = measure_any(args, args.strategy, seq, tp, sp, timeout=clock.limit(args.timeout_s))
         ok = r["status"] == "ok" and (r.get("peak_gb") is None or r["peak_gb"] <= args.budget_gb)
         r["fits_budget"] = ok
         rows.append(r)
-        print(f"# probe S={seq}: {r['status']} peak {_fmt(r.get('peak_gb'), '.2f')} GB -> "
+        print(f"# probe S={seq}: {r['status']} peak {fmt(r.get('peak_gb'), '.2f')} GB -> "
               f"{'fits' if ok else 'does not fit'} ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
         return ok
 
@@ -571,7 +522,7 @@ def max_context(args) -> list[dict]:
         seq = nxt
     summary = {
         "strategy": args.strategy, "budget_gb": args.budget_gb, "max_seq_fits": lo, "first_seq_over": hi,
-        "resolution": q, "probe_layers": args.probe_layers, "elapsed_s": time.perf_counter() - t0,
+        "resolution": q, "probe_layers": args.probe_layers, "elapsed_s": clock.elapsed(),
     }
     note = (f"max context for {args.strategy} ({rows[0].get('layout', '') if rows else ''}) within "
             f"{args.budget_gb:g} GB: {seq_label(lo) if lo else 'none'} fits"

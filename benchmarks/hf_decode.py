@@ -7,7 +7,7 @@ prefill and the first token cancel. Two cache modes: ``dynamic`` (eager, the def
 CUDA graphs). Wrapping the forward in ``torch.compile(mode="reduce-overhead")`` by hand instead fails inside
 ``generate`` (a CUDA-graph output read after the next replay overwrote it; transformers 5.17, torch 2.11).
 
-    python benchmarks/hf_decode.py --model paper-7b --prompt-lens 2048 32768 --modes dynamic static
+    python -m benchmarks.hf_decode --model paper-7b --prompt-lens 2048 32768 --modes dynamic static
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ import argparse
 import json
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def hf_model(preset: str, layers: int | None, dtype):
@@ -46,7 +43,7 @@ def hf_model(preset: str, layers: int | None, dtype):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.hf_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="paper-7b")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[2048, 32768])
@@ -62,7 +59,7 @@ def main(argv=None) -> None:
     rows = []
     for mode in args.modes:
         for s in args.prompt_lens:
-            cmd = ["python", "benchmarks/hf_decode.py", "--model", args.model, "--prompt-lens", str(s), "--modes",
+            cmd = ["python", "-m", "benchmarks.hf_decode", "--model", args.model, "--prompt-lens", str(s), "--modes",
                    mode, "--new-tokens", *map(str, args.new_tokens), "--repeats", str(args.repeats)]
             row = {"config": f"Hugging Face generate ({mode} cache{', compiled' if mode == 'static' else ''})",
                    "model": args.model, "prompt_len": s, "command": shlex.join(cmd), "status": "ok"}

@@ -3,9 +3,9 @@ fake process group: every collective returns at once, so a rank's memory and com
 communication is excluded), against the unsharded model on one GPU (D = 1, ``tsp=None``, the same code path).
 The communication an NVLink node would add comes from the cost model (see ``--hardware``).
 
-    python benchmarks/inference.py                                  # paper-7b, D = 8, rank 0, 32K/128K/1M + D = 1
-    python benchmarks/inference.py --prompt-lens 131072 --tsp-size 8 --no-baseline --out runs/inf.jsonl
-    python benchmarks/inference.py --device cpu --model tiny --tsp-size 2 --prompt-lens 32 --decode-steps 2
+    python -m benchmarks.inference                                  # paper-7b, D = 8, rank 0, 32K/128K/1M + D = 1
+    python -m benchmarks.inference --prompt-lens 131072 --tsp-size 8 --no-baseline --out runs/inf.jsonl
+    python -m benchmarks.inference --device cpu --model tiny --tsp-size 2 --prompt-lens 32 --decode-steps 2
 
 Every configuration (D, prompt length) runs in a fresh subprocess, so peak memory does not mix between rows and
 an out-of-memory error becomes a row saying OOM. Rows are printed as a markdown table (each row's exact command
@@ -15,20 +15,15 @@ below it) and appended as JSON lines to ``--out``. See benchmarks/INFERENCE.md f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.runner import Deadline, append_jsonl, first_line, is_oom, md_table, run_config, write_json
 
-RESULT_TAG = "INFERENCE_ROW "
 EXCLUDED = "all communication (fake process group: collectives return at once)"
 DEFAULT_LENS = (32768, 131072, 1048576)
 
@@ -39,7 +34,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the decode floor reads the weights and t
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.inference", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="paper-7b", help="a preset of lightning_tsp.models.llama (paper-7b, "
                                                          "llama3-8b, tiny)")
@@ -75,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="append one JSON line per row to this file")
     ap.add_argument("--in-process", action="store_true",
                     help="run the single configuration in this process (what each subprocess does)")
+    ap.add_argument("--json-out", help=argparse.SUPPRESS)  # internal: a child writes its one row here
     args = ap.parse_args(argv)
     if args.tsp_size < 1 or not 0 <= args.rank < args.tsp_size:
         ap.error(f"need D >= 1 and 0 <= rank < D, got D={args.tsp_size} rank={args.rank}")
@@ -97,7 +93,7 @@ def configurations(args) -> list[argparse.Namespace]:
 
 def command(c: argparse.Namespace) -> list[str]:
     """The exact command that measures configuration ``c`` in one process."""
-    cmd = ["python", "benchmarks/inference.py", "--in-process", "--no-baseline", "--prompt-lens",
+    cmd = ["python", "-m", "benchmarks.inference", "--in-process", "--no-baseline", "--prompt-lens",
            str(c.prompt_lens[0])]
     for opt in CONFIG_OPTS:
         v = getattr(c, opt)
@@ -177,15 +173,6 @@ def predicted_comm(cfg, batch: int, padded_len: int, d: int, dtype, hardware: st
 # ---------------------------------------------------------------------------------------------------------------
 # one configuration, in this process
 # ---------------------------------------------------------------------------------------------------------------
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-                  if t is not None)
-    msg = str(exc).lower()
-    return isinstance(exc, types) or "out of memory" in msg or "alloc_failed" in msg
-
 
 def measure(c: argparse.Namespace) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -328,13 +315,13 @@ def measure(c: argparse.Namespace) -> dict:
             row["decode_floor_s"] = (row["weights_bytes"] + cache.nbytes(used_only=True)) / HBM_BYTES_PER_S
     except TSPConfigError as exc:  # e.g. heads not divisible by D: a row saying so
         row["status"] = "invalid"
-        row["error"] = str(exc).strip().splitlines()[0][:300]
+        row["error"] = first_line(exc)
     except Exception as exc:  # noqa: BLE001 - an OOM becomes the row's status; anything else propagates
-        if not _is_oom(exc):
+        if not is_oom(exc):
             raise
         row["status"] = "OOM"
         row["oom_phase"] = phase
-        row["error"] = str(exc).strip().splitlines()[0][:300]
+        row["error"] = first_line(exc)
         if cuda:
             key = "prefill_peak_gb" if phase in ("build", "warm-up", "prefill") else "decode_peak_gb"
             row.setdefault(key, torch.cuda.max_memory_allocated() / 1e9)
@@ -373,28 +360,17 @@ def finalize(row: dict, prefill_times: list[float], decode_times: list[float]) -
 # the sweep: one subprocess per configuration
 # ---------------------------------------------------------------------------------------------------------------
 
+def base_row(c: argparse.Namespace) -> dict:
+    """What a row says before (or without) a measurement."""
+    return {"config": config_label(c.tsp_size, c.rank), "model": c.model, "tsp_size": c.tsp_size, "rank": c.rank,
+            "prompt_len": c.prompt_lens[0], "batch": c.batch, "command": shlex.join(command(c))}
+
+
 def run_subprocess(c: argparse.Namespace) -> dict:
-    cmd = command(c)
-    argv = [sys.executable, str(ROOT / "benchmarks" / "inference.py"), *cmd[2:]]
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
                                                                    "expandable_segments:True")}
-    base = {"config": config_label(c.tsp_size, c.rank), "model": c.model, "tsp_size": c.tsp_size, "rank": c.rank,
-            "prompt_len": c.prompt_lens[0], "batch": c.batch, "command": shlex.join(cmd)}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=c.max_seconds)
-    except subprocess.TimeoutExpired:
-        return {**base, "status": "timeout", "error": f"killed after --max-seconds {c.max_seconds:g}",
-                "wall_s": time.perf_counter() - t0}
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            row = json.loads(line[len(RESULT_TAG):])
-            row["wall_s"] = time.perf_counter() - t0
-            return row
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    status = "OOM" if any("out of memory" in t.lower() for t in tail) else "error"
-    return {**base, "status": status, "error": f"exit code {proc.returncode}: " + " | ".join(tail)[-500:],
-            "wall_s": time.perf_counter() - t0}
+    row = run_config("benchmarks.inference", command(c)[3:], c.max_seconds, env)
+    return row if "config" in row else {**base_row(c), **row}
 
 
 def _f(v, fmt: str) -> str:
@@ -402,11 +378,11 @@ def _f(v, fmt: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| # | config | prompt | status | prefill s | prefill tok/s/GPU | prefill TFLOP/s | prefill peak GB | "
-            "decode ms/token | floor ms | x floor | decode tok/s | decode peak GB | KV cache GB/rank | weights GB/rank | "
-            "pred. comm prefill s (exposed) | pred. comm decode ms/token | est. prefill s with comm | "
-            "est. decode ms/token with comm |")
-    lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
+    head = ["#", "config", "prompt", "status", "prefill s", "prefill tok/s/GPU", "prefill TFLOP/s", "prefill peak GB",
+            "decode ms/token", "floor ms", "x floor", "decode tok/s", "decode peak GB", "KV cache GB/rank",
+            "weights GB/rank", "pred. comm prefill s (exposed)", "pred. comm decode ms/token",
+            "est. prefill s with comm", "est. decode ms/token with comm"]
+    cells = []
     for i, r in enumerate(rows, 1):
         comm = r.get("comm_pred") or {}
         status = r["status"] + (f" ({r['oom_phase']})" if r.get("oom_phase") else "")
@@ -414,7 +390,7 @@ def table(rows: list[dict]) -> str:
         gb = lambda v: None if v is None else v / 1e9  # noqa: E731
         pc = comm.get("prefill_s")
         pred_prefill = "" if pc is None else f"{pc:.3f} ({comm['prefill_exposed_s']:.3f})"
-        cells = [
+        cells.append([
             str(i), r["config"], f"{r['prompt_len']:,}" + (f" x{r['batch']}" if r.get("batch", 1) > 1 else ""),
             status, _f(r.get("prefill_s"), ".3f"), _f(r.get("prefill_tokens_per_s_per_gpu"), ",.0f"),
             _f(r.get("prefill_tflops_per_gpu"), ".0f"), _f(r.get("prefill_peak_gb"), ".2f"),
@@ -423,22 +399,12 @@ def table(rows: list[dict]) -> str:
             _f(r.get("decode_peak_gb"), ".2f"), _f(gb(r.get("kv_cache_bytes")), ".3f"),
             _f(gb(r.get("weights_bytes")), ".2f"), pred_prefill, _f(ms(comm.get("decode_s_per_token")), ".3f"),
             _f(r.get("est_prefill_s_with_comm"), ".3f"), _f(ms(r.get("est_decode_s_per_token_with_comm")), ".2f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Commands (each row measured in its own process):")
-    lines.append("")
+        ])
+    lines = [md_table(head, cells), "", "Commands (each row measured in its own process):", ""]
     for i, r in enumerate(rows, 1):
         lines.append(f"{i}. `{r['command']}`" + (f" -- {r['error']}" if r.get("error") and r["status"] != "ok"
                                                  else ""))
     return "\n".join(lines)
-
-
-def append_jsonl(row: dict, out: Path | None) -> None:
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
 
 
 def main(argv=None) -> None:
@@ -448,21 +414,20 @@ def main(argv=None) -> None:
         if len(configs) != 1:
             raise SystemExit("--in-process measures one configuration: give one prompt length and --no-baseline")
         row = measure(configs[0])
-        print(RESULT_TAG + json.dumps(row), flush=True)
-        append_jsonl(row, args.out)
+        if args.json_out:
+            write_json(args.json_out, row)
+        append_jsonl([row], args.out)
         print(table([row]), flush=True)
         return
-    rows, t0 = [], time.perf_counter()
+    rows, clock = [], Deadline(args.budget_seconds)
     for c in configs:
-        if args.budget_seconds is not None and time.perf_counter() - t0 > args.budget_seconds:
-            row = {"config": config_label(c.tsp_size, c.rank), "model": c.model, "tsp_size": c.tsp_size,
-                   "rank": c.rank, "prompt_len": c.prompt_lens[0], "batch": c.batch, "status": "skipped",
-                   "error": "--budget-seconds spent", "command": shlex.join(command(c))}
+        if clock.left() < 0:
+            row = {**base_row(c), "status": "skipped", "error": "--budget-seconds spent"}
         else:
             row = run_subprocess(c)
         rows.append(row)
-        append_jsonl(row, args.out)  # as soon as it is measured: an interrupted sweep keeps its finished rows
-        print(f"[{time.perf_counter() - t0:7.1f} s] {row['config']} S={row['prompt_len']}: {row['status']}"
+        append_jsonl([row], args.out)  # as soon as it is measured: an interrupted sweep keeps its finished rows
+        print(f"[{clock.elapsed():7.1f} s] {row['config']} S={row['prompt_len']}: {row['status']}"
               + (f", prefill {row['prefill_s']:.3f} s" if row.get("prefill_s") is not None else "")
               + (f", decode {1e3 * row['decode_s_per_token']:.2f} ms/token" if row.get("decode_s_per_token")
                  is not None else ""), file=sys.stderr, flush=True)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Real TSP over NCCL in one call: (a) correctness against the single-GPU reference, then (b) throughput and
-# memory of TSP and its baselines with real communication. See benchmarks/MULTI_GPU.md.
+# Real TSP over NCCL: throughput and memory of TSP and its baselines with real communication (correctness on the
+# same GPUs: python -m pytest tests/test_multi_gpu.py). See benchmarks/MULTI_GPU.md.
 #
-#   bash benchmarks/multi_gpu.sh [NGPUS] [options of benchmarks/multi_gpu.py ...]
+#   bash benchmarks/multi_gpu.sh [NGPUS] [options of python -m benchmarks.multi_gpu ...]
 #
-# NGPUS defaults to every visible GPU. Each part runs under torchrun --standalone --nproc-per-node NGPUS (one
-# fresh torchrun per configuration). NVLink multicast stays off: the variables below are exported here and
-# forced again by multi_gpu.py into every subprocess.
+# NGPUS defaults to every visible GPU. Each configuration runs under a fresh torchrun --standalone
+# --nproc-per-node NGPUS. NVLink multicast stays off: the variables below are exported here and forced again by
+# benchmarks.multi_gpu into every subprocess.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,4 +30,4 @@ if [[ $# -gt 0 && "$1" =~ ^[0-9]+$ ]]; then
     shift
 fi
 
-exec "$py" benchmarks/multi_gpu.py "${nproc_args[@]}" "$@"
+exec "$py" -m benchmarks.multi_gpu "${nproc_args[@]}" "$@"

@@ -1,6 +1,6 @@
-"""Plots from the harness's JSON lines (benchmarks/harness.py --out X.md writes X.jsonl).
+"""Plots from the harness's JSON lines (python -m benchmarks.harness --out X.md writes X.jsonl).
 
-    python benchmarks/plot.py results.jsonl [more.jsonl ...] --out-dir plots/ [--budget-gb 141]
+    python -m benchmarks.plot results.jsonl [more.jsonl ...] --out-dir plots/ [--budget-gb 141]
 
 Writes peak_memory.png (peak GB per rank vs sequence length, one line per strategy and layout; OOM rows drawn as
 crosses at the top) and throughput.png (tokens/s per GPU per strategy, grouped by sequence length, with the
@@ -15,6 +15,8 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+
+from benchmarks.runner import seq_label
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -42,12 +44,8 @@ def label(r: dict) -> str:
     return f"{r['strategy']} ({', '.join(parts)})" if parts else r["strategy"]
 
 
-def seq_label(n: int) -> str:
-    return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("jsonl", nargs="+")
     ap.add_argument("--out-dir", default="plots")
     ap.add_argument("--model")

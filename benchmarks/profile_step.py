@@ -1,8 +1,8 @@
-"""Where a training step's time goes: one harness configuration (benchmarks/harness.py options), one warm-up
+"""Where a training step's time goes: one harness configuration (benchmarks.harness options), one warm-up
 step, one step under torch.profiler. Prints the GPU kernels by total time, the GPU busy time against the wall
 time (the difference is time the GPU waited for the host), and the kernel count.
 
-    python benchmarks/profile_step.py --strategy tsp --model paper-7b --layers 2 --seq-len 131072 --world 8
+    python -m benchmarks.profile_step --strategy tsp --model paper-7b --layers 2 --seq-len 131072 --world 8
 
 Fake process group as in the harness: communication excluded.
 """
@@ -14,9 +14,7 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import harness  # noqa: E402
+from benchmarks import harness
 
 
 def main(argv=None) -> None:
@@ -33,8 +31,8 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from baselines import build
-    from baselines.common import prime_optimizer
+    from benchmarks.baselines import build
+    from benchmarks.baselines.common import prime_optimizer
 
     cfg = harness.model_config(args)
     torch.cuda.set_device(0)

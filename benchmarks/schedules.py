@@ -1,7 +1,7 @@
 """The two TSP schedules alone: one layer on one GPU playing rank r of D (fake process group, communication
 excluded), against unsharded modules doing the same work on the same local tokens.
 
-    python benchmarks/schedules.py --hidden 4096 --heads 32 --kv-heads 32 --ffn 16384 --seq-len 131072 --tsp-size 8
+    python -m benchmarks.schedules --hidden 4096 --heads 32 --kv-heads 32 --ffn 16384 --seq-len 131072 --tsp-size 8
 
 Rows (median fwd+bwd time over repeats, bf16):
 - ring MLP: the SwiGLU ring (D shard GEMM triples per direction) vs one unsharded SwiGLU MLP (full F) on the
@@ -15,16 +15,12 @@ Target (issue): the per-shard GEMMs within 15% of one unsharded GEMM of the same
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from lightning_tsp.checks import check_model_shape, check_seq_len
 from lightning_tsp.group import TSPGroup
@@ -60,7 +56,7 @@ def _time(fn, device, reps: int) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.schedules", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=32)

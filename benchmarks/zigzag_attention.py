@@ -1,7 +1,7 @@
 """Attention kernels on TSP's zigzag calls: one rank's chunk of c queries against its K/V prefix of (p+1)c keys
 (bottom-right causal), bf16, head dim 128, forward + backward as the TSP layer runs them.
 
-    python benchmarks/zigzag_attention.py [--seq-len 131072 --tsp-size 8 --heads 4 32 --ranks 0 3 7]
+    python -m benchmarks.zigzag_attention [--seq-len 131072 --tsp-size 8 --heads 4 32 --ranks 0 3 7]
 
 Prints a markdown table of median fwd+bwd time and TFLOP/s (causal FLOPs counted exactly:
 4 * d * H * visible (query, key) pairs forward, 2.5x that backward). The backward of backends without a public
@@ -37,7 +37,7 @@ def bench(fn, warmup: int = 3, reps: int = 10) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.zigzag_attention")
     ap.add_argument("--seq-len", type=int, default=131072)
     ap.add_argument("--tsp-size", type=int, default=8)
     ap.add_argument("--heads", type=int, nargs="+", default=[4, 32])

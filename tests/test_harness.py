@@ -1,4 +1,4 @@
-"""The benchmark harness (benchmarks/harness.py) and its baseline strategies (benchmarks/baselines/).
+"""The benchmark harness (python -m benchmarks.harness) and its baseline strategies (benchmarks/baselines/).
 
 1. Every strategy runs on CPU with the fake process group at a tiny size and yields a table row and a JSON line
    (no memory numbers on CPU, no timings asserted).
@@ -21,13 +21,12 @@ import torch
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS = ROOT / "benchmarks" / "harness.py"
 TINY = ["--model", "tiny", "--layers", "2", "--seq-len", "64", "--steps", "1", "--warmup", "0", "--device", "cpu"]
 
 
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(HARNESS), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.harness", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
@@ -44,7 +43,7 @@ def test_every_strategy_yields_a_row(tmp_path):
         assert r["peak_gb"] is None  # CPU: not measured
         assert "fake process group" in r["excluded"]
         assert r["pred_comm_s"] is not None and r["pred_comm_s"] > 0, r.get("comm_model")
-        assert r["command"].startswith("python benchmarks/harness.py --strategy " + r["strategy"])
+        assert r["command"].startswith("python -m benchmarks.harness --strategy " + r["strategy"])
     assert rows[-1]["world"] == 4 and rows[-1]["tp"] == 2 and rows[-1]["sp"] == 2
     table = out.read_text()
     assert table.count("\n| ") == 1 + len(rows)  # separator + one line per row (header is the first line)
@@ -62,13 +61,12 @@ def test_sweep_subprocess_and_layer_extrapolation(tmp_path):
 
 
 def _equivalence(rank: int, world: int, strategies=("tp", "tp_sp", "sp", "fsdp_cp", "tp_x_sp")) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
-    from baselines import build
-    from baselines.common import Setup, make_batch, n_valid
-    from baselines.model import Transformer
+    from benchmarks.baselines import build
+    from benchmarks.baselines.common import Setup, make_batch, n_valid
+    from benchmarks.baselines.model import Transformer
     from lightning_tsp.models.llama import get_config
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""benchmarks/inference.py on CPU at a tiny size: every configuration (TSP D = 2 on the fake process group and the
+"""python -m benchmarks.inference on CPU at a tiny size: every configuration (TSP D = 2 on the fake process group and the
 single-GPU baseline, for two short prompts, one of them padded) runs in its own subprocess and yields a table
 row and a JSON line. No timing is asserted."""
 
@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "inference.py"
 
 
 def test_inference_benchmark_rows(tmp_path):
@@ -20,7 +19,7 @@ def test_inference_benchmark_rows(tmp_path):
             "16", "--decode-steps", "2", "--decode-warmup", "0", "--repeats", "1", "--warmup-len", "0",
             "--max-seconds", "120", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.inference", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=170, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -31,7 +30,7 @@ def test_inference_benchmark_rows(tmp_path):
         assert r["prefill_s"] > 0 and r["decode_s_per_token"] > 0 and len(r["decode_times_s"]) == 2
         assert r["prefill_tokens_per_s_per_gpu"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["padded_len"] % (2 * r["tsp_size"]) == 0 and r["padded_len"] >= r["prompt_len"]
-        assert r["command"].startswith("python benchmarks/inference.py --in-process")
+        assert r["command"].startswith("python -m benchmarks.inference --in-process")
     tsp, single = rows[0], rows[1]
     # the rank keeps about 1/D of the cache: its prefill slots are P/D (P = 12 for the 10-token prompt at D = 2)
     assert tsp["kv_cache_prefill_bytes"] * 2 == single["kv_cache_prefill_bytes"] * 12 // 10
@@ -42,5 +41,5 @@ def test_inference_benchmark_rows(tmp_path):
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows)  # header, separator, one line per configuration
     assert "TSP D=2 rank 0" in table[2] and "single GPU (D=1)" in table[3]
-    assert sum(line.startswith(f"{i}. `python benchmarks/inference.py") for i in range(1, 5)
+    assert sum(line.startswith(f"{i}. `python -m benchmarks.inference --in-process") for i in range(1, 5)
                for line in proc.stdout.splitlines()) == 4

@@ -1,4 +1,4 @@
-"""benchmarks/schedules.py runs (tiny sizes, CPU, fake process group) and prints its three rows; no timings
+"""python -m benchmarks.schedules runs (tiny sizes, CPU, fake process group) and prints its three rows; no timings
 are asserted."""
 
 import subprocess
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_schedule_benchmark_prints_its_rows():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "schedules.py"), "--hidden", "64", "--heads", "4", "--kv-heads",
+        [sys.executable, "-m", "benchmarks.schedules", "--hidden", "64", "--heads", "4", "--kv-heads",
          "4", "--ffn", "256", "--seq-len", "256", "--tsp-size", "4", "--reps", "1", "--device", "cpu"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )

@@ -1,4 +1,4 @@
-"""Baseline strategies for benchmarks/harness.py: each module's ``build(setup) -> Runner``."""
+"""Baseline strategies for benchmarks.harness and benchmarks.multi_gpu: each module's ``build(setup) -> Runner``."""
 
 from __future__ import annotations
 

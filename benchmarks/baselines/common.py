@@ -15,6 +15,8 @@ from torch import Tensor
 
 from lightning_tsp.zigzag import IGNORE_INDEX, shift_labels, zigzag_positions, zigzag_shard
 
+from .model import _cudnn_sdpa_usable
+
 
 @dataclass
 class Setup:
@@ -88,8 +90,6 @@ def apply_checkpointing(model: nn.Module, mode: str) -> None:
     if torch.cuda.is_available():
         # Probe cuDNN SDPA now: the probe runs a backward, and inside a checkpointed forward its saved tensors
         # would differ from the recomputation's ("different number of tensors saved" at backward).
-        from .model import _cudnn_sdpa_usable
-
         _cudnn_sdpa_usable(torch.cuda.current_device())
 
     for name, block in list(model.layers.named_children()):

@@ -2,7 +2,7 @@
 
 Every rank holds 1/D of every parameter, gradient and AdamW state; each transformer block is gathered just in
 time (forward and backward, resharded after forward) and its gradients reduce-scattered; the sequence is
-zigzag-sharded over the same D ranks with K/V all-gathered per layer (``cp.py``). Precision: FSDP2's
+zigzag-sharded over the same D ranks with K/V all-gathered per layer (``model.enable_cp``). Precision: FSDP2's
 MixedPrecisionPolicy (bf16 parameters for compute, fp32 master weights and gradient reduction; the residual
 stream is then bf16), as torchtitan runs it; ``fsdp_precision='autocast'`` uses bf16 autocast instead.
 """
@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from .common import (Runner, Setup, apply_checkpointing, autocast_ctx, cross_entropy_sum, make_batch,
                      make_optimizer, n_valid, zigzag_inputs)
-from .cp import enable_cp
-from .tp import materialize, new_model
+from .model import enable_cp, materialize, new_model
 
 
 def _fully_shard():

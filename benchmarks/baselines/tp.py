@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from .common import (Runner, Setup, apply_checkpointing, autocast_ctx, cross_entropy_sum, make_batch,
                      make_optimizer, n_valid, scalar)
-from .model import Transformer
+from .model import Transformer, check_tp_shape, materialize, new_model
 
 
 def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool) -> None:
@@ -63,31 +63,6 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool) -> None:
         else:
             plan.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
         parallelize_module(block, tp_mesh, plan)
-
-
-def check_tp_shape(cfg, t: int) -> None:
-    if cfg.n_heads % t or cfg.n_kv_heads % t:
-        raise ValueError(f"TP={t} must divide the query heads ({cfg.n_heads}) and the K/V heads ({cfg.n_kv_heads})")
-    if cfg.intermediate_size % t or cfg.vocab_size % t:
-        raise ValueError(f"TP={t} must divide the MLP width {cfg.intermediate_size} and the vocabulary {cfg.vocab_size}")
-
-
-def materialize(model: Transformer, setup: Setup, full_state: dict | None) -> None:
-    """Meta-initialised model -> real storage on the device, weights initialised (or loaded from a full state
-    dict, for the equivalence tests)."""
-    if full_state is None:
-        model.to_empty(device=setup.device)
-        model.init_weights(setup.seed)
-
-
-def new_model(setup: Setup, full_state: dict | None) -> Transformer:
-    """On meta (benchmark) or loaded from ``full_state`` on the device (tests: parallelize then slices it)."""
-    if full_state is None:
-        with torch.device("meta"):
-            return Transformer(setup.cfg, setup.sdpa_backend, setup.norm)
-    model = Transformer(setup.cfg, setup.sdpa_backend, setup.norm).to(setup.device)
-    model.load_state_dict(full_state)
-    return model
 
 
 def build(setup: Setup, full_state: dict | None = None) -> Runner:

@@ -1,5 +1,5 @@
 """TP x SP on a 2-D mesh (sp, tp), TP innermost: TP with Megatron-style sequence parallelism inside each group of
-T ranks (``tp.apply_tp``), zigzag context parallelism with all-gathered K/V across the S groups (``cp.py``).
+T ranks (``tp.apply_tp``), zigzag context parallelism with all-gathered K/V across the S groups (``model.enable_cp``).
 
 Each rank sees S_len/S tokens of the zigzag layout (replicated over its TP group at the block inputs, sequence
 sharded over it in the residual stream) and 1/T of the heads / MLP columns / vocabulary. Gradients of the
@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from .common import (Runner, Setup, all_reduce_grads, apply_checkpointing, autocast_ctx, cross_entropy_sum,
                      make_batch, make_optimizer, n_valid, scalar, zigzag_inputs)
-from .cp import enable_cp
-from .tp import apply_tp, check_tp_shape, materialize, new_model
+from .model import check_tp_shape, enable_cp, materialize, new_model
+from .tp import apply_tp
 
 
 def build(setup: Setup, full_state: dict | None = None) -> Runner:
