@@ -1,0 +1,249 @@
+"""TSP mixture-of-experts MLP: a replicated router and the EXPERT RING schedule.
+
+Rank r of a TSP group of D ranks owns E/D whole experts, [r*E/D, (r+1)*E/D), and 1/D of the tokens (zigzag).
+Routing is per token, so every rank routes its own tokens with the replicated router. The packed expert shards
+circulate around the ring exactly like the dense MLP's (:func:`ring_shards`): when the shard of experts
+[s*E/D, (s+1)*E/D) passes, every rank runs its LOCAL tokens routed to those experts (rows sorted by expert once
+per layer, one GEMM per expert) and accumulates their gate-weighted outputs locally. No token moves, no
+all-reduce of activations. Backward runs the ring again with the fp32 weight-gradient accumulators travelling
+with the shards back to their owners (:class:`RingGradPass`). The router gets its gradient through the
+combination weights; being replicated, its gradient is summed over the group (as RMSNorm's).
+
+Parameter names follow Hugging Face transformers >= 5 (Qwen3-MoE / Mixtral ``SparseMoeBlock``), so a block's
+state dict loads as is (sharded along the expert dim 0):
+
+    gate.weight              [E, h]          replicated router (HF ``gate.weight``)
+    experts.gate_up_proj     [E/D, 2F, h]    rows [0, F) = gate (Mixtral w1), rows [F, 2F) = up (Mixtral w3)
+    experts.down_proj        [E/D, h, F]     (Mixtral w2)
+    shared_expert.{gate,up,down}_proj.weight  optional dense SwiGLU, Llama names, run by the dense ring schedule
+
+Older per-expert checkpoints map as ``gate_up_proj[e] = cat([experts.{e}.w1, experts.{e}.w3])`` (Mixtral) or
+``cat([experts.{e}.gate_proj, experts.{e}.up_proj])`` (Qwen3-MoE), ``down_proj[e] = w2`` / ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.group import TSPGroup
+from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
+from lightning_tsp.layers.mlp import TSPGatedMLP
+from lightning_tsp.schedules.comm import SumGradOverGroup, SumOverGroup, local_tensor, pack, unpack
+from lightning_tsp.schedules.ring import RingGradPass, ring_shards
+
+GATINGS = ("mixtral", "qwen3")
+
+
+class RingExperts(torch.autograd.Function):
+    """The expert ring: ``y[t] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` over this rank's tokens.
+
+    ``experts`` [N, k] (int64, no gradient) are global expert ids; ``gate_up`` [E/D, 2F, h] and ``down``
+    [E/D, h, F] are this rank's experts. Exact: each (token, slot) row meets its expert's weights once.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weights, experts, gate_up, down, tsp: TSPGroup):
+        b, l, h = x.shape
+        n, k = experts.shape  # N = B*L local tokens, k routed experts per token
+        m, f = down.shape[0], down.shape[2]  # experts per rank, expert intermediate size
+        x2 = x.reshape(n, h)
+        # sort the N*k (token, slot) rows by expert once per layer: each expert's rows are one contiguous range
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # [N*k] row -> (token, slot) index
+        bounds = [0] + torch.bincount(flat, minlength=m * tsp.size).cumsum(0).tolist()  # one host sync per layer
+        tok = order // k  # [N*k] token of each sorted row
+        w_rows = weights.reshape(-1)[order].unsqueeze(1)  # [N*k, 1]
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        out = torch.zeros(n * k, h, dtype=acc_dtype, device=x.device)  # gate-weighted expert outputs, sorted
+        saved_gu = x.new_empty(n * k, 2 * f)  # gate|up pre-activations of every sorted row
+        shapes = [gate_up.shape, down.shape]
+        for s, buf in ring_shards(tsp, pack([gate_up, down], x.dtype)):
+            w_gu, w_d = unpack(buf, shapes)  # [E/D, 2F, h], [E/D, h, F]
+            for j in range(m):
+                lo, hi = bounds[s * m + j], bounds[s * m + j + 1]
+                if lo == hi:  # no local token routed to this expert (the ring hop still happens)
+                    continue
+                gu = torch.mm(x2[tok[lo:hi]], w_gu[j].T, out=saved_gu[lo:hi])  # [n_e, 2F], one GEMM
+                act = F.silu(gu[:, :f]) * gu[:, f:]  # [n_e, F]
+                matmul_into(out[lo:hi], act, w_d[j].T)  # [n_e, h]
+                out[lo:hi] *= w_rows[lo:hi]
+        # back to (token, slot) order; the k slots of a token are summed in a fixed order (deterministic)
+        y = torch.empty_like(out)
+        y[order] = out
+        y = y.view(n, k, h).sum(1).to(x.dtype)
+        ctx.tsp, ctx.bounds, ctx.shapes = tsp, bounds, shapes
+        ctx.save_for_backward(x, weights, order, gate_up, down, saved_gu)
+        return y.view(b, l, h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weights, order, gate_up, down, saved_gu = ctx.saved_tensors
+        tsp, bounds, shapes = ctx.tsp, ctx.bounds, ctx.shapes
+        b, l, h = x.shape
+        n, k = weights.shape
+        m, f = down.shape[0], down.shape[2]
+        x2, dy2 = x.reshape(n, h), dy.reshape(n, h).to(x.dtype)
+        tok = order // k
+        w_rows = weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)  # [N*k, 1]
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        dx_rows = torch.zeros(n * k, h, dtype=acc_dtype, device=x.device)  # input gradient of each sorted row
+        dw_rows = torch.zeros(n * k, dtype=acc_dtype, device=x.device)  # gradient of each combination weight
+        local = pack([gate_up, down], x.dtype)
+        ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype)
+        for s, buf, acc in ring:
+            w_gu, w_d = unpack(buf, shapes)
+            acc_gu, acc_d = unpack(acc, shapes)  # views: the partials are added in place
+            for j in range(m):
+                lo, hi = bounds[s * m + j], bounds[s * m + j + 1]
+                if lo == hi:
+                    continue
+                rows = tok[lo:hi]
+                xe, dye, we = x2[rows], dy2[rows], w_rows[lo:hi]  # [n_e, h], [n_e, h], [n_e, 1]
+                gu = saved_gu[lo:hi]
+                gate, up = gu[:, :f], gu[:, f:]
+                sig = torch.sigmoid(gate)
+                act = gate * sig  # silu(gate)
+                hid = act * up  # [n_e, F] expert hidden activation
+                d_hid = dye @ w_d[j]  # [n_e, F] gradient of hid for a unit combination weight
+                dw_rows[lo:hi] = (d_hid * hid).sum(-1, dtype=acc_dtype)  # d y / d weight = expert output
+                d_hid = d_hid * we
+                d_gu = torch.empty_like(gu)
+                torch.mul(d_hid * up, sig * (1 + gate * (1 - sig)), out=d_gu[:, :f])
+                torch.mul(d_hid, act, out=d_gu[:, f:])
+                matmul_into(dx_rows[lo:hi], d_gu, w_gu[j])  # [n_e, h], one GEMM for both input gradients
+                add_matmul_(acc_gu[j], d_gu.T, xe)  # [2F, h]
+                add_matmul_(acc_d[j], (dye * we).T, hid)  # [h, F]
+        dx = torch.empty_like(dx_rows)
+        dx[order] = dx_rows
+        dx = dx.view(n, k, h).sum(1).to(x.dtype).view(b, l, h)
+        d_weights = torch.empty_like(dw_rows)
+        d_weights[order] = dw_rows
+        g_gu, g_d = unpack(ring.grad, shapes)
+        return dx, d_weights.view(n, k).to(weights.dtype), None, g_gu.to(gate_up.dtype), g_d.to(down.dtype), None
+
+
+class TSPExperts(nn.Module):
+    """This rank's E/D experts, stacked (Hugging Face >= 5 layout); global experts [rank*E/D, (rank+1)*E/D)."""
+
+    tsp_shard_dims = {"gate_up_proj": 0, "down_proj": 0}
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tsp: TSPGroup,
+                 device=None, dtype=None):
+        super().__init__()
+        self.tsp = tsp
+        m = num_experts // tsp.size
+        kw = dict(device=device, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(torch.empty(m, 2 * intermediate_size, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(m, hidden_size, intermediate_size, **kw))
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init per expert (uniform in +-1/sqrt(fan_in)); models re-initialise anyway."""
+        for w in (self.gate_up_proj, self.down_proj):
+            bound = 1 / math.sqrt(w.shape[-1])
+            w.uniform_(-bound, bound)
+
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """x [B, L, h] local tokens, weights/experts [B*L, k] -> [B, L, h] gate-weighted sum of routed experts."""
+        return RingExperts.apply(x, weights, experts, local_tensor(self.gate_up_proj),
+                                 local_tensor(self.down_proj), self.tsp)
+
+
+def check_moe_shape(*, tsp_size: int, num_experts: int, top_k: int, shared_intermediate_size: int,
+                    gating: str) -> None:
+    """Invariants of :class:`TSPMoE` (raised at construction, before any collective)."""
+    if gating not in GATINGS:
+        raise TSPConfigError(f"gating={gating!r}; choose one of {GATINGS}")
+    if num_experts < 1 or num_experts % tsp_size != 0:
+        raise TSPConfigError(
+            f"num_experts={num_experts} is not divisible by tsp_size={tsp_size}: the expert ring gives each rank "
+            f"num_experts/D whole experts. Choose a tsp_size that divides {num_experts}."
+        )
+    if not 1 <= top_k <= num_experts:
+        raise TSPConfigError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+    if shared_intermediate_size < 0 or shared_intermediate_size % tsp_size != 0:
+        raise TSPConfigError(
+            f"shared_intermediate_size={shared_intermediate_size} is not divisible by tsp_size={tsp_size}: the "
+            f"shared expert runs the dense ring schedule (intermediate_size/D columns per rank). Choose a size that "
+            f"is a multiple of {tsp_size}, or 0 for no shared expert."
+        )
+
+
+def load_balancing_loss(experts: Tensor, probs: Tensor, num_experts: int, tsp: TSPGroup) -> Tensor:
+    """Switch / Mixtral auxiliary loss ``E * sum_e f_e * P_e`` over ALL tokens of the group's sequences.
+
+    ``f_e`` = (top-k slots routed to e) / tokens, ``P_e`` = mean router probability of e (Hugging Face's
+    ``load_balancing_loss_func`` for one layer, no attention mask). ``experts`` [N, k] and ``probs`` [N, E] are
+    this rank's; counts and probability sums are summed over the group in fp64 (exact counts) in one all-reduce
+    whose backward is the identity (each rank differentiates its own partial, like the loss).
+    """
+    n = experts.shape[0]
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(torch.float64)  # [E], no gradient
+    stats = torch.cat([counts, probs.sum(0).to(torch.float64)])  # [2E]
+    if tsp.size > 1:
+        stats = SumOverGroup.apply(stats, tsp)
+    n_tokens = n * tsp.size  # every rank holds the same number of tokens (zigzag)
+    f, p = stats[:num_experts] / n_tokens, stats[num_experts:] / n_tokens
+    return (num_experts * (f * p).sum()).to(probs.dtype)
+
+
+class TSPMoE(nn.Module):
+    """Mixture-of-experts SwiGLU MLP under TSP: top-k router, E experts on the expert ring, optional shared expert.
+
+    ``gating``: ``"mixtral"`` (softmax over the top-k logits) or ``"qwen3"`` (softmax over all E logits, then
+    top-k, renormalised to sum 1 iff ``norm_topk_prob``; Qwen3-MoE with ``norm_topk_prob=True`` is the same
+    function as Mixtral). No capacity limit, no token dropping, no router jitter. ``forward`` returns
+    ``(y, aux_loss)``: the layer's load-balancing loss (not yet scaled by a coefficient).
+    """
+
+    tsp_shard_dims: dict[str, int] = {}  # the router is replicated; experts / shared_expert declare their own
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, tsp: TSPGroup,
+                 gating: str = "mixtral", norm_topk_prob: bool = False, shared_intermediate_size: int = 0,
+                 device=None, dtype=None):
+        super().__init__()
+        check_moe_shape(tsp_size=tsp.size, num_experts=num_experts, top_k=top_k,
+                        shared_intermediate_size=shared_intermediate_size, gating=gating)
+        self.tsp, self.num_experts, self.top_k = tsp, num_experts, top_k
+        self.gating, self.norm_topk_prob = gating, norm_topk_prob
+        kw = dict(device=device, dtype=dtype)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
+        self.experts = TSPExperts(num_experts, hidden_size, intermediate_size, tsp, **kw)
+        self.shared_expert = (TSPGatedMLP(hidden_size, shared_intermediate_size, tsp, **kw)
+                              if shared_intermediate_size else None)
+
+    def route(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x2 [N, h] -> combination weights [N, k] (x's dtype), expert ids [N, k], router probabilities [N, E]."""
+        w = local_tensor(self.gate.weight).to(x2.dtype)
+        w = SumGradOverGroup.apply(w, self.tsp) if self.tsp.size > 1 else w
+        logits = x2 @ w.T  # [N, E]
+        fdt = torch.promote_types(x2.dtype, torch.float32)
+        probs = torch.softmax(logits.to(fdt), dim=-1)  # [N, E], also the aux loss's P
+        if self.gating == "mixtral":
+            top_logits, experts = logits.topk(self.top_k, dim=-1)  # [N, k]
+            weights = torch.softmax(top_logits.to(fdt), dim=-1)
+        else:
+            weights, experts = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x2.dtype), experts, probs
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, L, h] local (zigzag) tokens -> (y [B, L, h], load-balancing loss over the group's tokens)."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(dtype)
+            weights, experts, probs = self.route(x.reshape(-1, x.shape[-1]))
+            aux = load_balancing_loss(experts, probs, self.num_experts, self.tsp)
+            y = self.experts(x, weights, experts)
+            if self.shared_expert is not None:
+                y = y + self.shared_expert(x)
+            return y, aux
