@@ -50,8 +50,7 @@ from lightning_tsp import checkpoint as _ckpt
 from lightning_tsp import sharding
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.convert import convert_modules
-from lightning_tsp.group import TSPGroup
-from lightning_tsp.mesh import TSP_DIM, SizeArg, Topology, build_mesh, dp_group, resolve_topology, tsp_group
+from lightning_tsp.mesh import TSP_DIM, SizeArg, TSPMeshMixin
 from lightning_tsp.models import named_tsp_models
 from lightning_tsp.strategy import SUPPORTED_PRECISIONS, precision_error
 
@@ -77,7 +76,7 @@ class _TSPBackwardSyncControl(_BackwardSyncControl):
         return averager.blocked() if enabled and averager is not None else nullcontext()
 
 
-class TSPFabricStrategy(ModelParallelStrategy):
+class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
     """Tensor and Sequence Parallelism on a ("data_parallel", "tsp") mesh, for Fabric.
 
     Arguments (as :class:`~lightning_tsp.strategy.TSPStrategy`):
@@ -91,6 +90,8 @@ class TSPFabricStrategy(ModelParallelStrategy):
     Checkpoints are always sharded (DCP directories).
     """
 
+    _frontend = "Fabric"
+
     def __init__(
         self,
         tsp_size: SizeArg = "auto",
@@ -99,11 +100,7 @@ class TSPFabricStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         grad_bucket_mb: float = 64.0,
     ) -> None:
-        for name, value in (("tsp_size", tsp_size), ("data_parallel_size", data_parallel_size)):
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise TSPConfigError(f"{name}={value!r} must be a positive integer or 'auto'")
-        if grad_bucket_mb <= 0:
-            raise TSPConfigError(f"grad_bucket_mb={grad_bucket_mb} must be > 0")
+        self._check_size_args(tsp_size, data_parallel_size, grad_bucket_mb)  # before anything else
         super().__init__(
             parallelize_fn=_identity,  # setup_module shards (below)
             data_parallel_size=data_parallel_size,
@@ -115,9 +112,6 @@ class TSPFabricStrategy(ModelParallelStrategy):
         self._tsp_size_arg: SizeArg = tsp_size
         self._dp_size_arg: SizeArg = data_parallel_size
         self._grad_bucket_bytes = int(grad_bucket_mb * 2**20)
-        self._topology: Optional[Topology] = None
-        self._tsp_group: Optional[TSPGroup] = None
-        self._dp_group: Optional[dist.ProcessGroup] = None
         self._averager: Optional[sharding.GradientAverager] = None
         self._replicas: dict[nn.Parameter, int] = {}
         self._backward_sync_control = _TSPBackwardSyncControl(self)
@@ -125,43 +119,7 @@ class TSPFabricStrategy(ModelParallelStrategy):
     def __repr__(self) -> str:
         return f"TSPFabricStrategy(tsp_size={self._tsp_size_arg!r}, data_parallel_size={self._dp_size_arg!r})"
 
-    # ---- topology ------------------------------------------------------------------------------------------
-
-    def _resolve_topology(self) -> Topology:
-        devices = self.num_processes
-        if devices < 1:
-            raise TSPConfigError("TSPFabricStrategy has no devices: pass Fabric(devices=N) with N >= 1")
-        self._topology = resolve_topology(
-            world_size=self.num_nodes * devices, devices_per_node=devices, tsp_size=self._tsp_size_arg,
-            data_parallel_size=self._dp_size_arg,
-        )
-        self._data_parallel_size = self._topology.data_parallel_size
-        self._tensor_parallel_size = self._topology.tsp_size
-        return self._topology
-
-    @property
-    def topology(self) -> Topology:
-        return self._topology if self._topology is not None else self._resolve_topology()
-
-    @property
-    def tsp_size(self) -> int:
-        return self.topology.tsp_size
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.topology.data_parallel_size
-
-    @property
-    def tsp_group(self) -> TSPGroup:
-        if self._tsp_group is None:
-            raise RuntimeError("the TSP group exists once fabric.launch() has set up the environment")
-        return self._tsp_group
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        if self._dp_group is None:
-            raise RuntimeError("the data-parallel group exists once fabric.launch() has set up the environment")
-        return self._dp_group
+    # ---- topology (lightning_tsp.mesh.TSPMeshMixin) -------------------------------------------------------
 
     @override
     def _configure_launcher(self) -> None:
@@ -170,17 +128,9 @@ class TSPFabricStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        topology = self._resolve_topology()  # before any collective
+        self._resolve_topology()  # before anything else
         ParallelStrategy.setup_environment(self)  # the device (not ModelParallelStrategy's 2-D TP mesh)
-        self._setup_distributed()
-        if dist.get_world_size() != topology.world_size:
-            raise TSPConfigError(
-                f"{dist.get_world_size()} processes joined, but Fabric(num_nodes={self.num_nodes}, "
-                f"devices={self.num_processes}) means {topology.world_size}: check the launcher settings"
-            )
-        self._device_mesh = build_mesh(topology, self.root_device.type)
-        self._tsp_group = tsp_group(self._device_mesh)
-        self._dp_group = dp_group(self._device_mesh)
+        topology = self._setup_tsp_mesh()
         self._averager = sharding.GradientAverager(self._dp_group, topology.data_parallel_size,
                                                    self._grad_bucket_bytes)
 

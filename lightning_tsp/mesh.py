@@ -131,3 +131,76 @@ def dp_group(mesh: "DeviceMesh") -> dist.ProcessGroup:
 def dp_rank_and_size(mesh: "DeviceMesh") -> tuple[int, int]:
     sub = mesh[DP_DIM]
     return sub.get_local_rank(), sub.size()
+
+
+class TSPMeshMixin:
+    """The ("data_parallel", "tsp") topology and groups of a Lightning strategy: one implementation for the Trainer's
+    ``TSPStrategy`` and Fabric's ``TSPFabricStrategy``.
+
+    The host (a subclass of Lightning's ``ModelParallelStrategy``) sets ``_tsp_size_arg`` / ``_dp_size_arg`` and
+    names its front end in ``_frontend`` ("Trainer" / "Fabric") for the messages; it provides ``num_processes``,
+    ``num_nodes``, ``root_device`` and ``_setup_distributed``.
+    """
+
+    _frontend = "Trainer"
+    _topology: "Topology | None" = None
+    _tsp_group: "TSPGroup | None" = None
+    _dp_group: "dist.ProcessGroup | None" = None
+
+    @staticmethod
+    def _check_size_args(tsp_size: SizeArg, data_parallel_size: SizeArg, grad_bucket_mb: float) -> None:
+        for name, value in (("tsp_size", tsp_size), ("data_parallel_size", data_parallel_size)):
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise TSPConfigError(f"{name}={value!r} must be a positive integer or 'auto'")
+        if grad_bucket_mb <= 0:
+            raise TSPConfigError(f"grad_bucket_mb={grad_bucket_mb} must be > 0")
+
+    def _resolve_topology(self) -> Topology:
+        devices = self.num_processes
+        if devices < 1:
+            raise TSPConfigError(f"{type(self).__name__} has no devices: pass {self._frontend}(devices=N) with N >= 1")
+        self._topology = resolve_topology(
+            world_size=self.num_nodes * devices, devices_per_node=devices, tsp_size=self._tsp_size_arg,
+            data_parallel_size=self._dp_size_arg,
+        )
+        self._data_parallel_size = self._topology.data_parallel_size  # ModelParallelStrategy's own fields
+        self._tensor_parallel_size = self._topology.tsp_size
+        return self._topology
+
+    def _setup_tsp_mesh(self) -> Topology:
+        """Check the topology (before any collective), start the process group, build the mesh and the groups."""
+        topology = self._resolve_topology()
+        self._setup_distributed()
+        if dist.get_world_size() != topology.world_size:
+            raise TSPConfigError(
+                f"{dist.get_world_size()} processes joined, but {self._frontend}(num_nodes={self.num_nodes}, "
+                f"devices={self.num_processes}) means {topology.world_size}: check the launcher settings"
+            )
+        self._device_mesh = build_mesh(topology, self.root_device.type)
+        self._tsp_group = tsp_group(self._device_mesh)
+        self._dp_group = dp_group(self._device_mesh)
+        return topology
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology if self._topology is not None else self._resolve_topology()
+
+    @property
+    def tsp_size(self) -> int:
+        return self.topology.tsp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.topology.data_parallel_size
+
+    @property
+    def tsp_group(self) -> TSPGroup:
+        if self._tsp_group is None:
+            raise RuntimeError("the TSP group exists once the strategy has set up its environment")
+        return self._tsp_group
+
+    @property
+    def dp_group(self) -> "dist.ProcessGroup":
+        if self._dp_group is None:
+            raise RuntimeError("the data-parallel group exists once the strategy has set up its environment")
+        return self._dp_group

@@ -58,8 +58,7 @@ from lightning_tsp import checkpoint as _ckpt
 from lightning_tsp import sharding
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.convert import convert_modules
-from lightning_tsp.group import TSPGroup
-from lightning_tsp.mesh import TSP_DIM, SizeArg, Topology, build_mesh, dp_group, resolve_topology, tsp_group
+from lightning_tsp.mesh import TSP_DIM, SizeArg, TSPMeshMixin
 from lightning_tsp.sharding import BATCH_KEYS  # noqa: F401
 
 if TYPE_CHECKING:
@@ -155,7 +154,7 @@ def tsp_precision_plugin(plugin: Precision, clip_norm: ClipFn) -> Precision:
 # ---- the strategy ----------------------------------------------------------------------------------------------
 
 
-class TSPStrategy(ModelParallelStrategy):
+class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     """Tensor and Sequence Parallelism on a ("data_parallel", "tsp") mesh.
 
     Arguments:
@@ -177,11 +176,7 @@ class TSPStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         grad_bucket_mb: float = 64.0,
     ) -> None:
-        for name, value in (("tsp_size", tsp_size), ("data_parallel_size", data_parallel_size)):
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise TSPConfigError(f"{name}={value!r} must be a positive integer or 'auto'")
-        if grad_bucket_mb <= 0:
-            raise TSPConfigError(f"grad_bucket_mb={grad_bucket_mb} must be > 0")
+        self._check_size_args(tsp_size, data_parallel_size, grad_bucket_mb)  # before anything else
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tsp_size,
@@ -192,9 +187,6 @@ class TSPStrategy(ModelParallelStrategy):
         self._tsp_size_arg: SizeArg = tsp_size
         self._dp_size_arg: SizeArg = data_parallel_size
         self._grad_bucket_bytes = int(grad_bucket_mb * 2**20)
-        self._topology: Optional[Topology] = None
-        self._tsp_group: Optional[TSPGroup] = None
-        self._dp_group: Optional[dist.ProcessGroup] = None
         self._averager: Optional[sharding.GradientAverager] = None
         self._grad_sync_blocked = False
         self._replicas: dict[nn.Parameter, int] = {}  # parameters holding one copy of a replicated KV head
@@ -206,45 +198,7 @@ class TSPStrategy(ModelParallelStrategy):
             f"[a lightning.pytorch strategy: use lightning.pytorch.Trainer, not pytorch_lightning.Trainer]"
         )
 
-    # ---- topology ------------------------------------------------------------------------------------------
-
-    def _resolve_topology(self) -> Topology:
-        devices = self.num_processes
-        if devices < 1:
-            raise TSPConfigError("TSPStrategy has no devices: pass Trainer(devices=N) with N >= 1")
-        self._topology = resolve_topology(
-            world_size=self.num_nodes * devices,
-            devices_per_node=devices,
-            tsp_size=self._tsp_size_arg,
-            data_parallel_size=self._dp_size_arg,
-        )
-        self._data_parallel_size = self._topology.data_parallel_size
-        self._tensor_parallel_size = self._topology.tsp_size
-        return self._topology
-
-    @property
-    def topology(self) -> Topology:
-        return self._topology if self._topology is not None else self._resolve_topology()
-
-    @property
-    def tsp_size(self) -> int:
-        return self.topology.tsp_size
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.topology.data_parallel_size
-
-    @property
-    def tsp_group(self) -> TSPGroup:
-        if self._tsp_group is None:
-            raise RuntimeError("the TSP group exists once the strategy has set up its environment")
-        return self._tsp_group
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        if self._dp_group is None:
-            raise RuntimeError("the data-parallel group exists once the strategy has set up its environment")
-        return self._dp_group
+    # ---- topology (lightning_tsp.mesh.TSPMeshMixin) -------------------------------------------------------
 
     @override
     def _configure_launcher(self) -> None:
@@ -260,16 +214,7 @@ class TSPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        topology = self._resolve_topology()  # before any collective
-        self._setup_distributed()  # device setup + init_process_group
-        if dist.get_world_size() != topology.world_size:
-            raise TSPConfigError(
-                f"{dist.get_world_size()} processes joined, but Trainer(num_nodes={self.num_nodes}, "
-                f"devices={self.num_processes}) means {topology.world_size}: check the launcher settings"
-            )
-        self._device_mesh = build_mesh(topology, self.root_device.type)
-        self._tsp_group = tsp_group(self._device_mesh)
-        self._dp_group = dp_group(self._device_mesh)
+        self._setup_tsp_mesh()  # topology checked before any collective; device setup + init_process_group
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
