@@ -1,5 +1,6 @@
 """TSPMoE computes the unsharded MoE layer: output, load-balancing loss and every gradient (router, experts, shared
-expert, input) match the D=1 module and a plain-PyTorch per-token reference (fp64, real gloo groups, zigzag)."""
+expert, input) match the D=1 module and a plain-PyTorch per-token reference (fp64, real gloo groups, zigzag), for
+both expert schedules (ring and dispatch), which also agree with each other to 1e-12."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.layers.moe import TSPMoE
+from lightning_tsp.layers.moe import SCHEDULES, TSPMoE
 from lightning_tsp.schedules.comm import SumOverGroup
 from lightning_tsp.zigzag import zigzag_shard, zigzag_unshard
 from tests.dist_utils import run_distributed
@@ -107,10 +108,10 @@ def shard_dims(module: torch.nn.Module) -> dict[str, int | None]:
     return out
 
 
-def build(case, tsp: TSPGroup, params: dict) -> TSPMoE:
+def build(case, tsp: TSPGroup, params: dict, schedule: str = "ring") -> TSPMoE:
     k, gating, norm, shared = case
     moe = TSPMoE(H, E, F_EXP, k, tsp, gating=gating, norm_topk_prob=norm, shared_intermediate_size=shared,
-                 dtype=torch.float64)
+                 dtype=torch.float64, schedule=schedule)
     dims = shard_dims(moe)
     assert set(dims) == set(params), (sorted(dims), sorted(params))
     with torch.no_grad():
@@ -129,9 +130,10 @@ def gather(t: torch.Tensor, dim: int | None, tsp: TSPGroup) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def run_tsp(case, tsp: TSPGroup, params: dict, x: torch.Tensor, c: torch.Tensor) -> dict[str, torch.Tensor]:
+def run_tsp(case, tsp: TSPGroup, params: dict, x: torch.Tensor, c: torch.Tensor,
+            schedule: str = "ring") -> dict[str, torch.Tensor]:
     """The TSP layer on this rank's zigzag tokens; outputs and gradients gathered back to the full tensors."""
-    moe = build(case, tsp, params)
+    moe = build(case, tsp, params, schedule)
     x_loc = zigzag_shard(x, tsp.size, tsp.rank).clone().requires_grad_()
     c_loc = zigzag_shard(c, tsp.size, tsp.rank)
     y, aux = moe(x_loc)
@@ -152,16 +154,16 @@ def run_tsp(case, tsp: TSPGroup, params: dict, x: torch.Tensor, c: torch.Tensor)
     return out
 
 
-def compare(tag: str, got: dict, want: dict, rtol: float = 1e-10) -> None:
+def compare(tag: str, got: dict, want: dict, rtol: float = 1e-10, atol: float = 1e-12) -> None:
     names = [n for n in want if n != "routed"]
     assert set(names) == set(got), (sorted(names), sorted(got))
     for n in names:
-        assert_close(f"{tag} {n}", got[n], want[n], rtol=rtol)
+        assert_close(f"{tag} {n}", got[n], want[n], rtol=rtol, atol=atol)
 
 
 @functools.lru_cache(maxsize=None)
 def expected(case) -> tuple[dict, dict]:
-    """(plain reference, D=1 module) for one case, computed once per pytest process."""
+    """(plain reference, D=1 module with the ring schedule) for one case, computed once per pytest process."""
     params = full_params(case[3])
     x, c = inputs()
     return reference(case, params, x, c), run_tsp(case, TSPGroup.single(), params, x, c)
@@ -173,7 +175,10 @@ def expected(case) -> tuple[dict, dict]:
 @pytest.mark.parametrize("case", CASES, ids=case_name)
 def test_d1_module_matches_reference(case):
     ref, d1 = expected(case)
-    compare(f"D=1 {case_name(case)}", d1, ref)
+    compare(f"D=1 ring {case_name(case)}", d1, ref)
+    params = full_params(case[3])
+    x, c = inputs()
+    compare(f"D=1 dispatch {case_name(case)}", run_tsp(case, TSPGroup.single(), params, x, c, "dispatch"), ref)
     # every expert gradient is exercised (or exactly zero where an expert got no token)
     used = torch.bincount(ref["routed"].reshape(-1), minlength=E)
     g = ref["experts.gate_up_proj.grad"]
@@ -181,7 +186,8 @@ def test_d1_module_matches_reference(case):
 
 
 def test_some_expert_gets_no_token_on_some_rank():
-    """The top-1 data routes no token of some rank to some expert (its GEMMs are skipped, its ring hop is not)."""
+    """The top-1 data routes no token of some rank to some expert (its GEMMs are skipped, its ring hop is not), and
+    at D=4 no token of some rank to a whole owner (dispatch: a zero-row split in both all-to-alls)."""
     ref, _ = expected(CASES[0])
     for d in (2, 4):
         per_rank = [torch.bincount(zigzag_shard(ref["routed"], d, r).reshape(-1), minlength=E) for r in range(d)]
@@ -191,21 +197,39 @@ def test_some_expert_gets_no_token_on_some_rank():
     assert any(bool((cnt.view(4, 2).sum(1) == 0).any()) for cnt in per_rank)
 
 
-def _worker(rank, world_size, cases, params, x, c, wanted):
+def _worker(rank, world_size, schedule, cases, params, x, c, wanted):
     tsp = world_tsp()
     for case, p, (ref, d1) in zip(cases, params, wanted):
-        got = run_tsp(case, tsp, p, x, c)
-        tag = f"D={world_size} rank={rank} {case_name(case)}"
+        got = run_tsp(case, tsp, p, x, c, schedule)
+        tag = f"D={world_size} rank={rank} {schedule} {case_name(case)}"
         compare(tag + " vs reference", got, ref)
         compare(tag + " vs D=1", got, d1)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("d", [2, 4])
-def test_tsp_matches_unsharded(d):
+def test_tsp_matches_unsharded(d, schedule):
     x, c = inputs()
     wanted = [expected(case) for case in CASES]
     params = [full_params(case[3]) for case in CASES]
-    run_distributed(_worker, d, CASES, params, x, c, wanted, timeout=180.0)
+    run_distributed(_worker, d, schedule, CASES, params, x, c, wanted, timeout=180.0)
+
+
+def _agree_worker(rank, world_size, cases, params, x, c):
+    tsp = world_tsp()
+    for case, p in zip(cases, params):
+        ring, dispatch = (run_tsp(case, tsp, p, x, c, s) for s in ("ring", "dispatch"))
+        compare(f"D={world_size} rank={rank} {case_name(case)} dispatch vs ring", dispatch, ring,
+                rtol=1e-12, atol=1e-14)
+
+
+def test_schedules_agree_with_each_other():
+    """Ring and dispatch give the same output, aux loss and gradients to 1e-12 at D=4 (where some rank sends no
+    row to some owner); the cases with a shared expert only add the same dense ring to both, so they are left out."""
+    x, c = inputs()
+    cases = [case for case in CASES if not case[3]]
+    params = [full_params(0) for _ in cases]
+    run_distributed(_agree_worker, 4, cases, params, x, c, timeout=180.0)
 
 
 @pytest.mark.parametrize(
@@ -215,6 +239,7 @@ def test_tsp_matches_unsharded(d):
         (dict(top_k=9), "top_k=9"),
         (dict(gating="softmax"), "gating='softmax'"),
         (dict(shared_intermediate_size=6, tsp=TSPGroup(None, 0, 4)), "shared_intermediate_size=6"),
+        (dict(schedule="alltoall", tsp=TSPGroup(None, 0, 4)), r"schedule='alltoall'.*'ring', 'dispatch'"),
     ],
 )
 def test_config_errors_before_any_collective(kwargs, match):
@@ -254,9 +279,10 @@ def test_d1_matches_hugging_face_block(family, norm):
     assert_close(f"{family} aux", aux, load_balancing_loss_func((logits,), E, 2), rtol=1e-6)
 
 
-def test_bf16_autocast_runs_with_fp32_master_weights():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_bf16_autocast_runs_with_fp32_master_weights(schedule):
     """Under bf16 autocast the layer computes in bf16, accumulates in fp32 and returns fp32 parameter gradients."""
-    moe = TSPMoE(H, E, F_EXP, 2, TSPGroup.single(), shared_intermediate_size=F_SHARED)
+    moe = TSPMoE(H, E, F_EXP, 2, TSPGroup.single(), shared_intermediate_size=F_SHARED, schedule=schedule)
     x = torch.randn(B, S, H, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, aux = moe(x)

@@ -1,4 +1,4 @@
-"""TSP mixture-of-experts MLP: a replicated router and the EXPERT RING schedule.
+"""TSP mixture-of-experts MLP: a replicated router and two exact expert schedules, EXPERT RING and EXPERT DISPATCH.
 
 Rank r of a TSP group of D ranks owns E/D whole experts, [r*E/D, (r+1)*E/D), and 1/D of the tokens (zigzag).
 Routing is per token, so every rank routes its own tokens with the replicated router. The packed expert shards
@@ -8,6 +8,13 @@ per layer, one GEMM per expert) and accumulates their gate-weighted outputs loca
 all-reduce of activations. Backward runs the ring again with the fp32 weight-gradient accumulators travelling
 with the shards back to their owners (:class:`RingGradPass`). The router gets its gradient through the
 combination weights; being replicated, its gradient is summed over the group (as RMSNorm's).
+
+``schedule="dispatch"`` (:class:`DispatchExperts`, expert parallelism) computes the same function the other way
+round: expert weights stay, each rank's routed (token, slot) rows go to their experts' owners in one
+variable-size all-to-all, the owners run their experts and send the outputs back in a second one; the rows are
+scaled and combined on the tokens' ranks in the ring's order. Both share the routing sort, the per-expert
+forward/backward and the combination (:func:`sort_rows`, :func:`expert_forward`, :func:`expert_backward`,
+:func:`combine_rows`).
 
 Parameter names follow Hugging Face transformers >= 5 (Qwen3-MoE / Mixtral ``SparseMoeBlock``), so a block's
 state dict loads as is (sharded along the expert dim 0):
@@ -26,6 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
@@ -38,6 +46,64 @@ from lightning_tsp.schedules.comm import SumGradOverGroup, SumOverGroup, local_t
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 GATINGS = ("mixtral", "qwen3")
+
+
+SCHEDULES = ("ring", "dispatch")
+
+
+# ---- shared by both expert schedules: routing rows, one expert's forward/backward, the combination -------------
+
+
+def sort_rows(experts: Tensor, weights: Tensor, num_experts: int) -> tuple[Tensor, list[int], Tensor, Tensor]:
+    """Sort this rank's N*k (token, slot) rows by global expert once per layer.
+
+    Returns ``order`` [N*k] (sorted row -> (token, slot) index), ``bounds`` (E+1 host ints: expert e's rows are
+    ``[bounds[e], bounds[e+1])``; one host sync), ``tok`` [N*k] (token of each sorted row) and ``w_rows``
+    [N*k, 1] (combination weight of each sorted row).
+    """
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    bounds = [0] + torch.bincount(flat, minlength=num_experts).cumsum(0).tolist()
+    return order, bounds, order // k, weights.reshape(-1)[order].unsqueeze(1)
+
+
+def expert_forward(xe: Tensor, w_gu: Tensor, w_d: Tensor, gu_out: Tensor, y_out: Tensor) -> None:
+    """One expert on its rows: ``gu_out = xe @ w_gu.T`` (saved for backward), ``y_out = swiglu(gu) @ w_d.T``."""
+    f = w_d.shape[1]
+    gu = torch.mm(xe, w_gu.T, out=gu_out)  # [n_e, 2F], one GEMM
+    act = F.silu(gu[:, :f]) * gu[:, f:]  # [n_e, F]
+    matmul_into(y_out, act, w_d.T)  # [n_e, h]
+
+
+def expert_backward(xe: Tensor, dye: Tensor, we: Tensor, gu: Tensor, w_gu: Tensor, w_d: Tensor,
+                    dx_out: Tensor, dw_out: Tensor, acc_gu: Tensor, acc_d: Tensor) -> None:
+    """Backward of ``we * expert(xe)`` for one expert's rows, ``dye`` the output gradient of each row.
+
+    Writes the input gradient ``dx_out`` [n_e, h] and the combination-weight gradient ``dw_out`` [n_e]; adds the
+    weight gradients into ``acc_gu`` [2F, h] and ``acc_d`` [h, F] in place.
+    """
+    f = w_d.shape[1]
+    gate, up = gu[:, :f], gu[:, f:]
+    sig = torch.sigmoid(gate)
+    act = gate * sig  # silu(gate)
+    hid = act * up  # [n_e, F] expert hidden activation
+    d_hid = dye @ w_d  # [n_e, F] gradient of hid for a unit combination weight
+    dw_out.copy_((d_hid * hid).sum(-1, dtype=dw_out.dtype))  # d y / d weight = expert output
+    d_hid = d_hid * we
+    d_gu = torch.empty_like(gu)
+    torch.mul(d_hid * up, sig * (1 + gate * (1 - sig)), out=d_gu[:, :f])
+    torch.mul(d_hid, act, out=d_gu[:, f:])
+    matmul_into(dx_out, d_gu, w_gu)  # [n_e, h], one GEMM for both input gradients
+    add_matmul_(acc_gu, d_gu.T, xe)  # [2F, h]
+    add_matmul_(acc_d, (dye * we).T, hid)  # [h, F]
+
+
+def combine_rows(rows: Tensor, order: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
+    """Sorted rows [N*k, ...] back to (token, slot) order, the k slots of a token summed in a fixed order."""
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out.view(n, k, *rows.shape[1:]).sum(1).to(dtype)
 
 
 class RingExperts(torch.autograd.Function):
@@ -53,12 +119,7 @@ class RingExperts(torch.autograd.Function):
         n, k = experts.shape  # N = B*L local tokens, k routed experts per token
         m, f = down.shape[0], down.shape[2]  # experts per rank, expert intermediate size
         x2 = x.reshape(n, h)
-        # sort the N*k (token, slot) rows by expert once per layer: each expert's rows are one contiguous range
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # [N*k] row -> (token, slot) index
-        bounds = [0] + torch.bincount(flat, minlength=m * tsp.size).cumsum(0).tolist()  # one host sync per layer
-        tok = order // k  # [N*k] token of each sorted row
-        w_rows = weights.reshape(-1)[order].unsqueeze(1)  # [N*k, 1]
+        order, bounds, tok, w_rows = sort_rows(experts, weights, m * tsp.size)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         out = torch.zeros(n * k, h, dtype=acc_dtype, device=x.device)  # gate-weighted expert outputs, sorted
         saved_gu = x.new_empty(n * k, 2 * f)  # gate|up pre-activations of every sorted row
@@ -69,14 +130,9 @@ class RingExperts(torch.autograd.Function):
                 lo, hi = bounds[s * m + j], bounds[s * m + j + 1]
                 if lo == hi:  # no local token routed to this expert (the ring hop still happens)
                     continue
-                gu = torch.mm(x2[tok[lo:hi]], w_gu[j].T, out=saved_gu[lo:hi])  # [n_e, 2F], one GEMM
-                act = F.silu(gu[:, :f]) * gu[:, f:]  # [n_e, F]
-                matmul_into(out[lo:hi], act, w_d[j].T)  # [n_e, h]
-                out[lo:hi] *= w_rows[lo:hi]
-        # back to (token, slot) order; the k slots of a token are summed in a fixed order (deterministic)
-        y = torch.empty_like(out)
-        y[order] = out
-        y = y.view(n, k, h).sum(1).to(x.dtype)
+                expert_forward(x2[tok[lo:hi]], w_gu[j], w_d[j], saved_gu[lo:hi], out[lo:hi])
+        out *= w_rows
+        y = combine_rows(out, order, n, k, x.dtype)
         ctx.tsp, ctx.bounds, ctx.shapes = tsp, bounds, shapes
         ctx.save_for_backward(x, weights, order, gate_up, down, saved_gu)
         return y.view(b, l, h)
@@ -87,7 +143,7 @@ class RingExperts(torch.autograd.Function):
         tsp, bounds, shapes = ctx.tsp, ctx.bounds, ctx.shapes
         b, l, h = x.shape
         n, k = weights.shape
-        m, f = down.shape[0], down.shape[2]
+        m = down.shape[0]
         x2, dy2 = x.reshape(n, h), dy.reshape(n, h).to(x.dtype)
         tok = order // k
         w_rows = weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)  # [N*k, 1]
@@ -104,27 +160,120 @@ class RingExperts(torch.autograd.Function):
                 if lo == hi:
                     continue
                 rows = tok[lo:hi]
-                xe, dye, we = x2[rows], dy2[rows], w_rows[lo:hi]  # [n_e, h], [n_e, h], [n_e, 1]
-                gu = saved_gu[lo:hi]
-                gate, up = gu[:, :f], gu[:, f:]
-                sig = torch.sigmoid(gate)
-                act = gate * sig  # silu(gate)
-                hid = act * up  # [n_e, F] expert hidden activation
-                d_hid = dye @ w_d[j]  # [n_e, F] gradient of hid for a unit combination weight
-                dw_rows[lo:hi] = (d_hid * hid).sum(-1, dtype=acc_dtype)  # d y / d weight = expert output
-                d_hid = d_hid * we
-                d_gu = torch.empty_like(gu)
-                torch.mul(d_hid * up, sig * (1 + gate * (1 - sig)), out=d_gu[:, :f])
-                torch.mul(d_hid, act, out=d_gu[:, f:])
-                matmul_into(dx_rows[lo:hi], d_gu, w_gu[j])  # [n_e, h], one GEMM for both input gradients
-                add_matmul_(acc_gu[j], d_gu.T, xe)  # [2F, h]
-                add_matmul_(acc_d[j], (dye * we).T, hid)  # [h, F]
-        dx = torch.empty_like(dx_rows)
-        dx[order] = dx_rows
-        dx = dx.view(n, k, h).sum(1).to(x.dtype).view(b, l, h)
+                expert_backward(x2[rows], dy2[rows], w_rows[lo:hi], saved_gu[lo:hi], w_gu[j], w_d[j],
+                                dx_rows[lo:hi], dw_rows[lo:hi], acc_gu[j], acc_d[j])
+        dx = combine_rows(dx_rows, order, n, k, x.dtype).view(b, l, h)
         d_weights = torch.empty_like(dw_rows)
         d_weights[order] = dw_rows
         g_gu, g_d = unpack(ring.grad, shapes)
+        return dx, d_weights.view(n, k).to(weights.dtype), None, g_gu.to(gate_up.dtype), g_d.to(down.dtype), None
+
+
+def all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int], tsp: TSPGroup) -> Tensor:
+    """Variable-size all-to-all of the rows of ``t`` (``in_splits[p]`` rows to member p, ``out_splits[p]`` from p).
+
+    Zero-row splits are fine (every member still takes part). Identity on a group of one.
+    """
+    if tsp.size == 1:
+        return t
+    out = t.new_empty(sum(out_splits), *t.shape[1:])
+    dist.all_to_all_single(out, t.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=tsp.group)
+    return out
+
+
+class DispatchExperts(torch.autograd.Function):
+    """Expert dispatch (expert parallelism over the TSP axis): the same function as :class:`RingExperts`.
+
+    Expert weights stay on their owners. Each rank sends its routed (token, slot) rows, sorted by expert, to the
+    experts' owners in one variable-size all-to-all (per-expert counts exchanged first); each owner runs one GEMM
+    pair per local expert on the rows it received and returns the unscaled outputs (accumulation dtype) with a
+    second all-to-all; the token's rank scales them by the combination weights and sums the k slots exactly as
+    the ring does. Backward: output gradients (and combination weights) go to the owners, which compute the
+    input, combination-weight and expert-weight gradients locally; the first two come back in one all-to-all.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weights, experts, gate_up, down, tsp: TSPGroup):
+        b, l, h = x.shape
+        n, k = experts.shape
+        m, f = down.shape[0], down.shape[2]
+        d = tsp.size
+        x2 = x.reshape(n, h)
+        order, bounds, tok, w_rows = sort_rows(experts, weights, m * d)
+        acc_dtype = torch.promote_types(x.dtype, torch.float32)
+        # rows to owner p: experts [p*m, (p+1)*m), contiguous after the sort
+        send_splits = [bounds[(p + 1) * m] - bounds[p * m] for p in range(d)]
+        counts = torch.tensor([bounds[e + 1] - bounds[e] for e in range(m * d)], dtype=torch.int64,
+                              device=x.device)
+        if d > 1:  # recv_counts[p, j]: rows member p sends for my local expert j
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=tsp.group)
+        else:
+            recv_counts = counts
+        recv_counts = recv_counts.view(d, m)
+        host = recv_counts.tolist()  # one host sync for the exchanged counts
+        recv_splits = [sum(row) for row in host]
+        xr = all_to_all_rows(x2[tok], recv_splits, send_splits, tsp)  # [R, h], by source then expert
+        # the owner's rows grouped by local expert (one GEMM per expert); perm: grouped row -> received row
+        eid = torch.arange(m, device=x.device).repeat(d).repeat_interleave(recv_counts.reshape(-1))
+        perm = torch.argsort(eid, stable=True)
+        ebounds = [0]
+        for j in range(m):
+            ebounds.append(ebounds[-1] + sum(row[j] for row in host))
+        xs = xr[perm]
+        r = xs.shape[0]
+        saved_gu = x.new_empty(r, 2 * f)
+        ys = torch.empty(r, h, dtype=acc_dtype, device=x.device)
+        w_gu, w_d = gate_up.to(x.dtype), down.to(x.dtype)  # the compute dtype, as the ring's packed shards
+        for j in range(m):
+            lo, hi = ebounds[j], ebounds[j + 1]
+            if lo == hi:  # no row of any member for this expert
+                continue
+            expert_forward(xs[lo:hi], w_gu[j], w_d[j], saved_gu[lo:hi], ys[lo:hi])
+        yr = torch.empty_like(ys)
+        yr[perm] = ys
+        out = all_to_all_rows(yr, send_splits, recv_splits, tsp)  # [N*k, h] sorted rows, unscaled
+        out *= w_rows
+        y = combine_rows(out, order, n, k, x.dtype)
+        ctx.tsp, ctx.ebounds, ctx.splits = tsp, ebounds, (send_splits, recv_splits)
+        ctx.save_for_backward(weights, order, gate_up, down, xs, saved_gu, perm)
+        ctx.x_shape = x.shape
+        return y.view(b, l, h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        weights, order, gate_up, down, xs, saved_gu, perm = ctx.saved_tensors
+        tsp, ebounds, (send_splits, recv_splits) = ctx.tsp, ctx.ebounds, ctx.splits
+        b, l, h = ctx.x_shape
+        n, k = weights.shape
+        m = down.shape[0]
+        dtype = xs.dtype
+        tok = order // k
+        dy2 = dy.reshape(n, h).to(dtype)
+        w_rows = weights.reshape(-1)[order].unsqueeze(1).to(dtype)
+        acc_dtype = torch.promote_types(dtype, torch.float32)
+        # output gradient and combination weight of each row, to the owners (one message)
+        gr = all_to_all_rows(torch.cat([dy2[tok], w_rows], 1), recv_splits, send_splits, tsp)[perm]
+        dye, we = gr[:, :h], gr[:, h:]
+        r = xs.shape[0]
+        dx_back = torch.zeros(r, h, dtype=acc_dtype, device=xs.device)  # input gradient per grouped row
+        dw_back = torch.zeros(r, dtype=acc_dtype, device=xs.device)  # combination-weight gradient per row
+        g_gu = torch.zeros(gate_up.shape, dtype=acc_dtype, device=xs.device)
+        g_d = torch.zeros(down.shape, dtype=acc_dtype, device=xs.device)
+        w_gu, w_d = gate_up.to(dtype), down.to(dtype)
+        for j in range(m):
+            lo, hi = ebounds[j], ebounds[j + 1]
+            if lo == hi:
+                continue
+            expert_backward(xs[lo:hi], dye[lo:hi], we[lo:hi], saved_gu[lo:hi], w_gu[j], w_d[j],
+                            dx_back[lo:hi], dw_back[lo:hi], g_gu[j], g_d[j])
+        br = torch.empty(r, h + 1, dtype=acc_dtype, device=xs.device)  # [dx | d weight], one message
+        br[perm] = torch.cat([dx_back, dw_back.unsqueeze(1)], 1)
+        rows = all_to_all_rows(br, send_splits, recv_splits, tsp)  # [N*k, h+1] sorted rows
+        dx = combine_rows(rows[:, :h].contiguous(), order, n, k, dtype).view(b, l, h)
+        d_weights = torch.empty(n * k, dtype=acc_dtype, device=rows.device)
+        d_weights[order] = rows[:, h]
         return dx, d_weights.view(n, k).to(weights.dtype), None, g_gu.to(gate_up.dtype), g_d.to(down.dtype), None
 
 
@@ -134,9 +283,11 @@ class TSPExperts(nn.Module):
     tsp_shard_dims = {"gate_up_proj": 0, "down_proj": 0}
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tsp: TSPGroup,
-                 device=None, dtype=None):
+                 device=None, dtype=None, schedule: str = "ring"):
         super().__init__()
-        self.tsp = tsp
+        if schedule not in SCHEDULES:
+            raise TSPConfigError(f"schedule={schedule!r}; choose one of {SCHEDULES}")
+        self.tsp, self.schedule = tsp, schedule
         m = num_experts // tsp.size
         kw = dict(device=device, dtype=dtype)
         self.gate_up_proj = nn.Parameter(torch.empty(m, 2 * intermediate_size, hidden_size, **kw))
@@ -153,18 +304,20 @@ class TSPExperts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """x [B, L, h] local tokens, weights/experts [B*L, k] -> [B, L, h] gate-weighted sum of routed experts."""
-        return RingExperts.apply(x, weights, experts, local_tensor(self.gate_up_proj),
-                                 local_tensor(self.down_proj), self.tsp)
+        fn = RingExperts if self.schedule == "ring" else DispatchExperts
+        return fn.apply(x, weights, experts, local_tensor(self.gate_up_proj), local_tensor(self.down_proj), self.tsp)
 
 
 def check_moe_shape(*, tsp_size: int, num_experts: int, top_k: int, shared_intermediate_size: int,
-                    gating: str) -> None:
+                    gating: str, schedule: str = "ring") -> None:
     """Invariants of :class:`TSPMoE` (raised at construction, before any collective)."""
     if gating not in GATINGS:
         raise TSPConfigError(f"gating={gating!r}; choose one of {GATINGS}")
+    if schedule not in SCHEDULES:
+        raise TSPConfigError(f"schedule={schedule!r}; choose one of {SCHEDULES}")
     if num_experts < 1 or num_experts % tsp_size != 0:
         raise TSPConfigError(
-            f"num_experts={num_experts} is not divisible by tsp_size={tsp_size}: the expert ring gives each rank "
+            f"num_experts={num_experts} is not divisible by tsp_size={tsp_size}: both expert schedules give each rank "
             f"num_experts/D whole experts. Choose a tsp_size that divides {num_experts}."
         )
     if not 1 <= top_k <= num_experts:
@@ -202,21 +355,25 @@ class TSPMoE(nn.Module):
     top-k, renormalised to sum 1 iff ``norm_topk_prob``; Qwen3-MoE with ``norm_topk_prob=True`` is the same
     function as Mixtral). No capacity limit, no token dropping, no router jitter. ``forward`` returns
     ``(y, aux_loss)``: the layer's load-balancing loss (not yet scaled by a coefficient).
+
+    ``schedule``: ``"ring"`` (:class:`RingExperts`: expert weights circulate, tokens stay) or ``"dispatch"``
+    (:class:`DispatchExperts`: routed token rows go to the experts' owners by all-to-all, weights stay). Both
+    compute the same function with the same per-row arithmetic and combination order.
     """
 
     tsp_shard_dims: dict[str, int] = {}  # the router is replicated; experts / shared_expert declare their own
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, tsp: TSPGroup,
                  gating: str = "mixtral", norm_topk_prob: bool = False, shared_intermediate_size: int = 0,
-                 device=None, dtype=None):
+                 device=None, dtype=None, schedule: str = "ring"):
         super().__init__()
         check_moe_shape(tsp_size=tsp.size, num_experts=num_experts, top_k=top_k,
-                        shared_intermediate_size=shared_intermediate_size, gating=gating)
+                        shared_intermediate_size=shared_intermediate_size, gating=gating, schedule=schedule)
         self.tsp, self.num_experts, self.top_k = tsp, num_experts, top_k
         self.gating, self.norm_topk_prob = gating, norm_topk_prob
         kw = dict(device=device, dtype=dtype)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
-        self.experts = TSPExperts(num_experts, hidden_size, intermediate_size, tsp, **kw)
+        self.experts = TSPExperts(num_experts, hidden_size, intermediate_size, tsp, schedule=schedule, **kw)
         self.shared_expert = (TSPGatedMLP(hidden_size, shared_intermediate_size, tsp, **kw)
                               if shared_intermediate_size else None)
 
