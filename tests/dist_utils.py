@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def exit_after_success() -> None:
+    """End a worker whose work is done and checked without the interpreter's teardown.
+
+    At C++ static destruction, gloo's background threads can abort a process that has already passed
+    ("terminate called without an active exception", SIGABRT); the parent would report a crash. Only the success
+    path calls this: a failing worker raises before it, and spawn reports the exception.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
@@ -25,6 +38,7 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    exit_after_success()
 
 
 def spawn_with_timeout(entry, entry_args: tuple, nprocs: int, timeout: float, what: str) -> None:

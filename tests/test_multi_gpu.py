@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import spawn_with_timeout
+from tests.dist_utils import exit_after_success, spawn_with_timeout
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PRESETS = {"small": dict(layers=4, hidden=512, vocab=32000, seq=4096, kv=4, mha=8),
@@ -174,6 +174,7 @@ def _entry(rank: int, world: int, init_file: str, backend: str, preset: str) -> 
     finally:
         dist.destroy_process_group()
     assert not failures, "\n".join(failures)
+    exit_after_success()
 
 
 def _run(d: int, backend: str, preset: str, timeout: float) -> None:

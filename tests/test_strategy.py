@@ -23,7 +23,7 @@ import lightning_tsp  # noqa: F401  (registers "tsp")
 from lightning_tsp import TSPConfigError, TSPGroup, TSPLlama
 from lightning_tsp.strategy import TSPStrategy
 from lightning_tsp.zigzag import IGNORE_INDEX, zigzag_positions
-from tests.dist_utils import spawn_with_timeout
+from tests.dist_utils import exit_after_success, spawn_with_timeout
 from tests.reference import assert_close
 from tests.test_equivalence import shapes_for
 
@@ -128,6 +128,7 @@ def _entry(local_rank: int, world_size: int, port: int, fn, args) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_after_success()
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 150.0) -> None:
