@@ -19,8 +19,9 @@ import torch
 from lightning_tsp.inference.decode import cache_attention, partial_attention
 
 
-def gemv_attention(q, k, v, slot_pos):
-    """Scores by a batched bf16 GEMV with fp32 output, fp32 softmax statistics, bf16 probabilities @ V (fp32 out)."""
+def bf16_score_attention(q, k, v, slot_pos):
+    """cache_attention with bf16 GEMM outputs (scores rounded to bf16 before the softmax): the speed reference for
+    the fp32-output GEMVs, less accurate."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.view(b, hkv, hq // hkv, d)
@@ -30,6 +31,28 @@ def gemv_attention(q, k, v, slot_pos):
     p = torch.exp(s - lse.unsqueeze(-1)).to(q.dtype)
     o = torch.matmul(p, v).float()
     return o.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+def _flex_call(q, k, v, slot_pos, enable_gqa):
+    from torch.nn.attention import flex_attention as fa
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(slot_pos[b, kv_idx] >= 0, score, -float("inf"))
+
+    o, aux = fa.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=enable_gqa, return_aux=fa.AuxRequest(lse=True))
+    return o, aux.lse
+
+
+_flex_compiled = None
+
+
+def flex_attention(q, k, v, slot_pos):
+    """Compiled FlexAttention (its decoding path) with the slot mask as a score_mod: the measured alternative."""
+    global _flex_compiled
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(_flex_call, dynamic=False)
+    o, lse = _flex_compiled(q.unsqueeze(2), k, v, slot_pos, q.shape[1] != k.shape[1])
+    return o.squeeze(2).float(), lse.squeeze(2).float()
 
 
 def efficient_attention(q, k, v, slot_pos):
@@ -42,7 +65,8 @@ def efficient_attention(q, k, v, slot_pos):
     return o.float().reshape(b, hq, d), lse[..., : hq // hkv].reshape(b, hq)
 
 
-CANDIDATES = {"flex (cache_attention)": cache_attention, "gemv": gemv_attention, "efficient": efficient_attention}
+CANDIDATES = {"cache_attention (fp32-output GEMVs)": cache_attention, "bf16-score GEMVs": bf16_score_attention,
+              "flex": flex_attention, "efficient": efficient_attention}
 
 
 def bench(fn, *args, repeats=20):

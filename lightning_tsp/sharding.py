@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.convert import replace_module
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.models import named_tsp_models
 from lightning_tsp.models.llama import TSPLlama
@@ -124,14 +125,6 @@ def shard_module(full: TSPLlama, tsp: TSPGroup, device: torch.device) -> TSPLlam
     if getattr(full, "hf_config", None) is not None and getattr(sharded, "hf_config", None) is None:
         sharded.hf_config = full.hf_config  # consolidation writes it as config.json
     return sharded
-
-
-def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    """Swap every reference to ``old`` inside ``root`` (shared submodules included)."""
-    for parent in root.modules():
-        for key, child in list(parent._modules.items()):
-            if child is old:
-                parent._modules[key] = new
 
 
 def distribute_parameters(module: TSPLlama, tsp_mesh: "DeviceMesh") -> dict[nn.Parameter, int]:

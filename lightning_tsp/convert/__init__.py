@@ -52,13 +52,14 @@ def convert_modules(root: nn.Module) -> list[str]:
         for matches, convert in _PLANS:
             if matches(module):
                 new = convert(module)
-                _replace(root, module, new)
+                replace_module(root, module, new)
                 converted.append(name)
                 break
     return converted
 
 
-def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Swap every reference to ``old`` inside ``root`` (shared submodules included)."""
     for parent in root.modules():
         for key, child in list(parent._modules.items()):
             if child is old:
