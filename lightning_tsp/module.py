@@ -8,7 +8,7 @@ are single-device code: the strategy hands each rank its zigzag slice of the bat
 YAML (``model:`` section of a LightningCLI config)::
 
     model:
-      preset: tiny                  # tiny | paper-7b | llama3-8b (lightning_tsp.models.llama.PRESETS)
+      preset: tiny                  # tiny | paper-7b | llama3-8b | tiny-moe | mixtral-8x7b | qwen3-30b-a3b
       overrides: {n_layers: 4}      # any ModelConfig field
       activation_checkpointing: none
       lr: 3.0e-3
@@ -154,14 +154,17 @@ class TSPLanguageModel(LightningModule):
 
     # ---- steps -------------------------------------------------------------------------------------------------
 
-    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """``train_loss``: the loss optimised (a mixture of experts adds ``router_aux_loss_coef`` x
+        ``train_aux_loss``, the load-balancing loss, also logged)."""
         if self.model is None:
             raise RuntimeError("TSPLanguageModel.configure_model has not run: train it through a Trainer")
-        return self.model(**batch)
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, batch_size=batch["input_ids"].shape[0], sync_dist=True, prog_bar=True)
+        lm_loss, aux = self.model.loss_terms(**batch)
+        loss = self.model.total_loss(lm_loss, aux)
+        b = batch["input_ids"].shape[0]
+        self.log("train_loss", loss, batch_size=b, sync_dist=True, prog_bar=True)
+        if aux is not None:
+            self.log("train_aux_loss", aux, batch_size=b, sync_dist=True)
         return loss
 
     def _evaluate(self, batch: dict[str, Tensor], stage: str) -> None:

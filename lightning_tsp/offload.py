@@ -67,11 +67,16 @@ def _stashing(layer: nn.Module, stash: AttentionStash | None):
         attn.stash = None
 
 
+def _tensors(out) -> tuple[Tensor | None, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
 class OffloadedCheckpoint(torch.autograd.Function):
-    """``layer(x, *args)`` without saving anything on the device; see the module docstring."""
+    """``layer(x, *args)`` without saving anything on the device; see the module docstring. The layer returns a
+    tensor or a tuple of tensors / None (a decoder layer's ``(x, router_stats)``)."""
 
     @staticmethod
-    def forward(ctx, layer: nn.Module, x: Tensor, *args: Tensor) -> Tensor:
+    def forward(ctx, layer: nn.Module, x: Tensor, *args: Tensor):
         dev = x.device.type
         ctx.layer = layer
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
@@ -87,7 +92,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: Tensor):
+    def backward(ctx, *grads: Tensor):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.other_args)
         args = [next(tensors) if is_tensor else next(others) for is_tensor in ctx.tensor_args]
         x = ctx.x.restore().requires_grad_(ctx.x.requires_grad)
@@ -100,11 +105,12 @@ class OffloadedCheckpoint(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), _stashing(ctx.layer, stash):
             y = ctx.layer(x, *args)
         assert not stash.items, "the recomputation did not replay every attention output"
-        torch.autograd.backward(y, dy)
+        pairs = [(t, g) for t, g in zip(_tensors(y), grads) if t is not None and g is not None and t.requires_grad]
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return (None, x.grad if ctx.needs_input_grad[1] else None) + (None,) * len(args)
 
 
-def offloaded_checkpoint(layer: nn.Module, x: Tensor, *args: Tensor) -> Tensor:
+def offloaded_checkpoint(layer: nn.Module, x: Tensor, *args: Tensor):
     if not torch.is_grad_enabled():
         return layer(x, *args)
     return OffloadedCheckpoint.apply(layer, x, *args)

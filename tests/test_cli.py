@@ -238,6 +238,24 @@ def test_callback_flops_match_planning():
 # ---- fit on 2 CPU processes -----------------------------------------------------------------------------------
 
 
+def test_fit_moe_recipe_two_processes(tmp_path):
+    """The mixture-of-experts recipe trains on 2 CPU processes and logs the load-balancing loss."""
+    cmd = [
+        sys.executable, "-m", "lightning_tsp.cli", "fit", "--config", str(ROOT / "recipes" / "tiny-moe-cpu.yaml"),
+        "--trainer.max_steps=3", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0",
+        f"--trainer.default_root_dir={tmp_path}", "--data.seq_len=64", "--data.max_tokens=100000",
+        "--model.warmup_steps=0",
+    ]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    aux = [float(r["train_aux_loss"]) for r in rows if r.get("train_aux_loss")]
+    assert len(losses) == 3 and len(aux) == 3
+    # an untrained byte model: log(256) plus 0.01 x the load-balancing loss (top_k = 2 when perfectly balanced)
+    assert all(1.0 < a < 4.0 for a in aux) and losses[0] == pytest.approx(math.log(256) + 0.01 * aux[0], rel=0.05)
+
+
 class RecordSampler(Callback):
     """Writes each rank's training sampler split (num_replicas, rank) next to the logs (used by the fit test)."""
 

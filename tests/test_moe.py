@@ -14,13 +14,14 @@ import torch.nn.functional as F
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.layers.moe import SCHEDULES, TSPMoE
+from lightning_tsp.layers.moe import TSPMoE, load_balancing_loss
 from lightning_tsp.schedules.comm import SumOverGroup
 from lightning_tsp.zigzag import zigzag_shard, zigzag_unshard
 from tests.dist_utils import run_distributed
 from tests.reference import assert_close, world_tsp
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
+SCHEDULES = ("ring", "dispatch")  # "auto" picks one of these (tests/test_moe_model.py)
 B, S, H, E, F_EXP, F_SHARED = 2, 16, 8, 8, 6, 8  # S divisible by 2D for D = 1, 2, 4; E divisible by D
 AUX_COEF = 0.7
 # (top_k, gating, norm_topk_prob, shared_intermediate_size)
@@ -136,7 +137,8 @@ def run_tsp(case, tsp: TSPGroup, params: dict, x: torch.Tensor, c: torch.Tensor,
     moe = build(case, tsp, params, schedule)
     x_loc = zigzag_shard(x, tsp.size, tsp.rank).clone().requires_grad_()
     c_loc = zigzag_shard(c, tsp.size, tsp.rank)
-    y, aux = moe(x_loc)
+    y, stats = moe(x_loc)
+    aux = load_balancing_loss(stats, x_loc.shape[0] * x_loc.shape[1], tsp)
     part = (y * c_loc).sum()
     loss = (SumOverGroup.apply(part, tsp) if tsp.size > 1 else part) + AUX_COEF * aux
     loss.backward()
@@ -272,7 +274,8 @@ def test_d1_matches_hugging_face_block(family, norm):
     x, _ = inputs()
     want = hf(x)
     want = want[0] if isinstance(want, tuple) else want
-    y, aux = moe(x)
+    y, stats = moe(x)
+    aux = load_balancing_loss(stats, x.shape[0] * x.shape[1], TSPGroup.single())
     # Hugging Face runs the router softmax (and the aux-loss sums) in fp32 even for fp64 inputs: fp32 tolerance
     assert_close(f"{family} y", y, want, rtol=1e-6)
     logits = x.reshape(-1, H) @ params["gate.weight"].T
@@ -285,7 +288,8 @@ def test_bf16_autocast_runs_with_fp32_master_weights(schedule):
     moe = TSPMoE(H, E, F_EXP, 2, TSPGroup.single(), shared_intermediate_size=F_SHARED, schedule=schedule)
     x = torch.randn(B, S, H, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y, aux = moe(x)
+        y, stats = moe(x)
+        aux = load_balancing_loss(stats, x.shape[0] * x.shape[1], TSPGroup.single())
     assert y.dtype == torch.bfloat16 and aux.dtype == torch.float32
     (y.float().sum() + aux).backward()
     for n, p in moe.named_parameters():

@@ -8,6 +8,7 @@ the sampler's data order, the global token normalisation and Lightning's accumul
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import warnings
@@ -166,12 +167,18 @@ def _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt
 
 
 def _check_case(rank, world_size, tsp_size, steps, accum, on_meta, optimizer="sgd", ckpt_dir=None,
-                checkpointing="none"):
+                checkpointing="none", moe=False):
     dp = world_size // tsp_size
     cfg = shapes_for(tsp_size, gqa=True)
+    if moe:  # a mixture of experts (a dense layer, a shared expert, the load-balancing loss); dp = 1: the aux
+        # loss of a replica's micro-batch is the reference's
+        cfg = dataclasses.replace(cfg, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                  shared_expert_intermediate_size=16, dense_layers=(0,), n_layers=2,
+                                  router_aux_loss_coef=0.05, expert_schedule="dispatch")
     data = make_dataset(cfg, dp * B * steps * accum)
     trainer, module = _fit(cfg, data, tsp_size, world_size, steps, accum, on_meta, optimizer, ckpt_dir, checkpointing)
-    tag = f"world={world_size} D={tsp_size} dp={dp} accum={accum} meta={on_meta} {optimizer} ckpt={checkpointing}"
+    tag = (f"world={world_size} D={tsp_size} dp={dp} accum={accum} meta={on_meta} {optimizer} ckpt={checkpointing} "
+           f"moe={moe}")
 
     # every parameter is a DTensor on the "tsp" sub-mesh with the layer's placement; only this rank's shard held
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -229,6 +236,8 @@ def _check_case(rank, world_size, tsp_size, steps, accum, on_meta, optimizer="sg
 def _worker_tsp2(rank, world_size, tmp):
     _check_case(rank, world_size, tsp_size=2, steps=4, accum=1, on_meta=False, ckpt_dir=os.path.join(tmp, "ck"))
     _check_case(rank, world_size, tsp_size=2, steps=2, accum=2, on_meta=True)
+    _check_case(rank, world_size, tsp_size=2, steps=3, accum=1, on_meta=True, optimizer="adamw", moe=True,
+                ckpt_dir=os.path.join(tmp, "ck-moe"))
 
 
 def _worker_tsp2_dp2(rank, world_size, tmp):

@@ -1,7 +1,7 @@
 """Hugging Face Llama-family causal LMs under TSP: config mapping, the conversion plan, sharded weight loading.
 
 Supported (exact classes): ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``. :func:`convert_hf_causal_lm` turns one into an unsharded :class:`TSPCausalLM` with the same
+``Qwen3ForCausalLM`` and the mixtures of experts ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``. :func:`convert_hf_causal_lm` turns one into an unsharded :class:`TSPCausalLM` with the same
 parameters (the same tensors, not a copy; on the meta device if the Hugging Face model was), which
 :class:`~lightning_tsp.strategy.TSPStrategy` then shards. Everything TSP cannot compute exactly is rejected with a
 :class:`~lightning_tsp.checks.TSPConfigError` (see docs/converting.md); any other ``PreTrainedModel`` found in a
@@ -14,6 +14,7 @@ rank ever holds the full model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -49,6 +50,8 @@ SUPPORTED_CLASSES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _SUPPORTED_TYPES = frozenset(SUPPORTED_CLASSES.values())
 _SILU = ("silu", "swish")  # the same function in transformers' ACT2FN
@@ -119,16 +122,43 @@ def _sliding_window(hf_cfg: Any, model_type: str) -> int | None:
     layer_types = _get(hf_cfg, "layer_types")
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
-    if model_type in ("qwen2", "qwen3"):  # older transformers: no layer_types
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):  # older transformers: no layer_types
         if not _get(hf_cfg, "use_sliding_window", False):
             return None
         first = _get(hf_cfg, "max_window_layers", 0)
         return int(window) if first < _get(hf_cfg, "num_hidden_layers") else None
-    return int(window)  # mistral: every layer
+    return int(window)  # mistral, mixtral: every layer
+
+
+def _moe_fields(hf_config: Any, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`ModelConfig` (Mixtral, Qwen3-MoE; empty for dense families)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    jitter = float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0)
+    if jitter > 0:
+        raise TSPConfigError(
+            f"router_jitter_noise={jitter}: the TSP router has no jitter (it changes the routing randomly in training). "
+            f"Set config.router_jitter_noise=0.0 before converting the model."
+        )
+    n_layers = _get(hf_config, "num_hidden_layers")
+    coef = float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    fields = dict(
+        num_experts=_get(hf_config, "num_local_experts") or _get(hf_config, "num_experts"),
+        num_experts_per_tok=_get(hf_config, "num_experts_per_tok"),
+        # Hugging Face adds the load-balancing loss to the loss only with output_router_logits
+        router_aux_loss_coef=coef if _get(hf_config, "output_router_logits", False) else 0.0,
+    )
+    if model_type == "mixtral":  # softmax over the top-k logits; every layer sparse, experts as wide as intermediate
+        return dict(fields, moe_gating="mixtral", moe_intermediate_size=_get(hf_config, "intermediate_size"))
+    step = _get(hf_config, "decoder_sparse_step", 1) or 1
+    only = set(_get(hf_config, "mlp_only_layers", None) or [])
+    dense = [i for i in range(n_layers) if i in only or (i + 1) % step != 0]
+    return dict(fields, moe_gating="qwen3", norm_topk_prob=bool(_get(hf_config, "norm_topk_prob", False)),
+                moe_intermediate_size=_get(hf_config, "moe_intermediate_size"), dense_layers=dense)
 
 
 def model_config_from_hf(hf_config: Any, *, pretrained_path: str | os.PathLike | None = None) -> HFModelConfig:
-    """Map a Hugging Face Llama / Mistral / Qwen2 / Qwen3 config to a :class:`HFModelConfig`.
+    """Map a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE config to a :class:`HFModelConfig`.
 
     Raises :class:`TSPConfigError` for settings TSP cannot compute exactly: rope scaling other than ``linear``,
     ``llama3`` and ``yarn`` (those are mapped to ``rope_scaling``),
@@ -180,11 +210,12 @@ def model_config_from_hf(hf_config: Any, *, pretrained_path: str | os.PathLike |
         init_std=float(_get(hf_config, "initializer_range", 0.02)),
         head_dim=head_dim,
         attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         hf_config=hf_config,
         pretrained_path=None if pretrained_path is None else os.fspath(pretrained_path),
         sliding_window=_sliding_window(hf_config, model_type),
         attention_dropout=dropout,
+        **_moe_fields(hf_config, model_type),
     )
 
 
@@ -281,7 +312,7 @@ class TSPCausalLM(TSPLlama):
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
     ):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         if targets is None:  # a global Hugging Face batch (position_ids [B, S]: packed documents)
             if labels is None:
@@ -293,6 +324,13 @@ class TSPCausalLM(TSPLlama):
                 mask = attention_mask.bool()
                 if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
                     raise TSPConfigError("attention_mask has padding before real tokens: right padding only")
+                if self.cfg.num_experts and self.cfg.router_aux_loss_coef and not bool(mask.all()):
+                    raise TSPConfigError(
+                        "attention_mask with padding and router_aux_loss_coef="
+                        f"{self.cfg.router_aux_loss_coef}: the TSP load-balancing loss counts every token (Hugging Face "
+                        "leaves padding out). Pack documents into full sequences (position_ids) or use equal-length "
+                        "sequences, or set router_aux_loss_coef=0."
+                    )
                 labels = labels.masked_fill(~mask, IGNORE_INDEX)
             self._check_runtime(input_ids.shape[1])
             # position_ids [B, S] (packed documents) are validated there: targets shifted per document, local
@@ -305,8 +343,10 @@ class TSPCausalLM(TSPLlama):
             if position_ids is None:
                 raise TSPConfigError("targets without position_ids: pass the zigzag position_ids of these tokens")
             self._check_runtime(input_ids.shape[1] * self.tsp.size)
-        loss = super().forward(input_ids, targets, position_ids, num_valid_tokens)
-        return CausalLMOutputWithPast(loss=loss, logits=None)
+        loss, aux = self.loss_terms(input_ids, targets, position_ids, num_valid_tokens)
+        if aux is None:
+            return CausalLMOutputWithPast(loss=loss, logits=None)
+        return MoeCausalLMOutputWithPast(loss=self.total_loss(loss, aux), aux_loss=aux, logits=None)
 
 
 # ---- pretrained weights ------------------------------------------------------------------------------------------
@@ -341,52 +381,107 @@ def _weight_map(path: Path) -> dict[str, Path]:
     return out
 
 
+# per-expert checkpoint layouts (the Hub's Mixtral and Qwen3-MoE files; save_pretrained writes them too):
+# (module holding the experts, gate-half name, up-half name, down name)
+_EXPERT_LAYOUTS = (
+    ("block_sparse_moe", "w1", "w3", "w2"),  # Mixtral
+    ("mlp", "gate_proj", "up_proj", "down_proj"),  # Qwen3-MoE
+)
+
+
+def _checkpoint_key(name: str, weight_map: dict[str, Path]) -> str | None:
+    for key in (name, name.removeprefix("model.")):
+        if key in weight_map:
+            return key
+    if name.endswith(".mlp.gate.weight"):  # Mixtral's router in the per-expert layout
+        key = name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+        return key if key in weight_map else None
+    return None
+
+
+def _expert_keys(name: str, experts: range, weight_map: dict[str, Path]) -> list[list[str]] | None:
+    """Per-expert checkpoint names of the stacked parameter ``...mlp.experts.gate_up_proj`` (each expert's [gate,
+    up] weights) or ``...mlp.experts.down_proj`` ([down]) for the given experts; None if the checkpoint has none."""
+    layer, _, param = name.rpartition(".mlp.experts.")
+    if param not in ("gate_up_proj", "down_proj"):
+        return None
+    for module, gate, up, down in _EXPERT_LAYOUTS:
+        halves = (gate, up) if param == "gate_up_proj" else (down,)
+        keys = [[f"{layer}.{module}.experts.{e}.{w}.weight" for w in halves] for e in experts]
+        if all(k in weight_map for ks in keys for k in ks):
+            return keys
+    return None
+
+
 @torch.no_grad()
 def load_pretrained_shards(model: TSPLlama, path: str | os.PathLike) -> None:
     """Copy this rank's slices of a Hugging Face safetensors checkpoint into ``model`` (any TSPLlama, sharded or not).
 
     ``path``: a local directory (``model.safetensors``, or shards listed in ``model.safetensors.index.json``) or
-    one ``.safetensors`` file. Every file is opened once; each tensor is read with ``get_slice`` restricted to this
-    rank's rows (dim 0) or columns (dim 1), so a rank reads 1/D of every sharded weight and never the full model.
-    Works on materialised parameters and on DTensor parameters (their local shard). Checkpoint tensors are cast to
-    the parameters' dtype. Raises TSPConfigError if a parameter is missing or has another full shape.
+    one ``.safetensors`` file. Each tensor is read with ``get_slice`` restricted to this rank's rows (dim 0) or
+    columns (dim 1), so a rank reads 1/D of every sharded weight and never the full model. Mixture-of-experts
+    weights are read in the stacked layout (``mlp.experts.gate_up_proj``) or the per-expert one of the Hub's
+    Mixtral / Qwen3-MoE files (``experts.{e}.w1`` ... / ``experts.{e}.gate_proj`` ...), in which a rank reads only
+    its own experts. Works on materialised parameters and on DTensor parameters (their local shard). Checkpoint
+    tensors are cast to the parameters' dtype. Raises TSPConfigError if a parameter is missing or has another full
+    shape.
     """
     path = Path(path)
     weight_map = _weight_map(path)
-    dims = model.shard_dims()
-    by_file: dict[Path, list[tuple[str, str]]] = {}
+    size = model.tsp.size
+    plan: list[tuple[str, str | None, list[list[str]] | None]] = []  # (param, key, per-expert keys)
     missing = []
-    for name in dims:
-        key = name if name in weight_map else name.removeprefix("model.") if name.startswith("model.") else name
-        if key not in weight_map:
-            missing.append(name)
-            continue
-        by_file.setdefault(weight_map[key], []).append((name, key))
+    for name in model.shard_dims():
+        key = _checkpoint_key(name, weight_map)
+        experts = None
+        if key is None:
+            rng = model.shard_range(name)
+            first, stop = (rng[1], rng[2]) if rng is not None else (0, model.full_shape(name)[0])
+            experts = _expert_keys(name, range(first, stop), weight_map)
+            if experts is None:
+                missing.append(name)
+                continue
+        plan.append((name, key, experts))
     if missing:
         raise TSPConfigError(
             f"the checkpoint in {str(path)!r} lacks {len(missing)} parameters of the model, e.g. {missing[:3]}. Is it "
             f"a checkpoint of this architecture (Hugging Face names, *ForCausalLM)?"
         )
-    size = model.tsp.size
-    for file, names in sorted(by_file.items()):
-        with _safe_open(file) as handle:
-            for name, key in names:
-                param = local_tensor(model.get_parameter(name))
-                want = tuple(model.full_shape(name))
-                piece = handle.get_slice(key)
-                shape = tuple(piece.get_shape())
-                if shape != want:
+    with contextlib.ExitStack() as files:
+        handles: dict[Path, Any] = {}
+
+        def piece(key: str):
+            file = weight_map[key]
+            if file not in handles:
+                handles[file] = files.enter_context(_safe_open(file))
+            return handles[file].get_slice(key)
+
+        for name, key, experts in plan:
+            param = local_tensor(model.get_parameter(name))
+            if experts is not None:  # this rank's experts, each [gate; up] or [down] stacked on dim 0
+                tensor = torch.stack([torch.cat([piece(k)[:] for k in ks]) for ks in experts])
+                if tensor.shape != param.shape:
                     raise TSPConfigError(
-                        f"{name!r} in {file.name} has shape {shape}, the model expects {want}: the checkpoint is "
-                        f"from another model configuration"
+                        f"{name!r}: the per-expert weights {experts[0]} give shape {tuple(tensor.shape)} on this "
+                        f"rank, the model expects {tuple(param.shape)}: the checkpoint is from another configuration"
                     )
-                rng = model.shard_range(name)  # this rank's rows/columns (one copy of a replicated KV head)
-                if rng is None or size == 1:
-                    tensor = piece[:]
-                else:
-                    dim, rows = rng[0], slice(rng[1], rng[2])
-                    tensor = piece[rows] if dim == 0 else piece[(slice(None),) * dim + (rows,)]
                 param.copy_(tensor)
+                continue
+            want = tuple(model.full_shape(name))
+            src = piece(key)
+            shape = tuple(src.get_shape())
+            if shape != want:
+                raise TSPConfigError(
+                    f"{name!r} in {weight_map[key].name} has shape {shape}, the model expects {want}: the checkpoint "
+                    f"is from another model configuration"
+                )
+            rng = model.shard_range(name)  # this rank's rows/columns (one copy of a replicated KV head)
+            if rng is None or size == 1:
+                tensor = src[:]
+            else:
+                dim, rows = rng[0], slice(rng[1], rng[2])
+                tensor = src[rows] if dim == 0 else src[(slice(None),) * dim + (rows,)]
+            param.copy_(tensor)
 
 
 def set_pretrained_path(model: nn.Module, path: str | os.PathLike | None) -> nn.Module:

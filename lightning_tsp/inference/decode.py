@@ -11,7 +11,9 @@ The new token's hidden state x [B, h] is replicated on every rank (it is tiny). 
 3. One all-to-all sends the partials of head group j to rank j: [B, n_q/D, d+1] per peer.
 4. Rank j merges the D partials exactly: lse = logsumexp_p lse_p, o = sum_p exp(lse_p - lse) o_p, and applies
    its own columns of o_proj: a partial [B, h], summed over the group by an all-reduce.
-5. MLP on the owned slices: silu(x Wg_j^T) * (x Wu_j^T) @ Wd_j^T, one all-reduce of [B, h].
+5. MLP on the owned slices: silu(x Wg_j^T) * (x Wu_j^T) @ Wd_j^T, one all-reduce of [B, h]. A mixture of experts
+   routes x with the replicated router and runs the rank's own experts (weighted by the combination weights, 0
+   where a token is not routed there): the same one all-reduce.
 
 Embedding: owned vocab rows + all-reduce; LM head: local logits [B, V/D] (see ``vocab.py``, ``sampling.py``).
 
@@ -38,6 +40,8 @@ from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, all_to_all
 from lightning_tsp.inference.vocab import acc_dtype, embed_tokens, local_logits
 from lightning_tsp.layers.attention import kv_block, project_qkv
+from lightning_tsp.kernels.grouped import ExpertGroups
+from lightning_tsp.layers.moe import TSPMoE, experts_forward
 from lightning_tsp.layers.norm import rms_norm
 from lightning_tsp.layers.rope import apply_rope
 from lightning_tsp.schedules.comm import local_tensor
@@ -184,9 +188,47 @@ def attention_decode(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
     return _sum_over_group(_merge_heads(recv, x.dtype) @ view.w_o.T, tsp)
 
 
-def mlp_decode(mlp, x: Tensor) -> Tensor:
+def _mlp_partial(mlp, x: Tensor) -> Tensor:
+    """The owned columns of a dense SwiGLU on x [B, h]: a partial [B, h] of the output."""
     wg, wu, wd = (local_tensor(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    return _sum_over_group(_swiglu(x @ wg.T, x @ wu.T) @ wd.T, mlp.tsp)
+    return _swiglu(x @ wg.T, x @ wu.T) @ wd.T
+
+
+@functools.lru_cache(maxsize=None)
+def _equal_groups(m: int, b: int, device: torch.device, dtype: torch.dtype) -> ExpertGroups:
+    """m experts of b rows each; made once (the first eager steps), so a CUDA graph capture creates nothing."""
+    return ExpertGroups([b] * m, device, dtype=dtype)
+
+
+def _moe_partial(moe, x: Tensor) -> Tensor:
+    """This rank's experts on x [B, h]: the part of the mixture they own, a partial [B, h] of the output.
+
+    Routing is the training layer's (:meth:`TSPMoE.route`, replicated, identical on every rank). Every owned expert
+    runs on all B tokens (:func:`~lightning_tsp.layers.moe.experts_forward`, one grouped GEMM pair where available;
+    fixed shapes for the CUDA graph) and is weighted by its combination weight, 0 for a token not routed to it.
+    The shared expert adds its own columns."""
+    weights, experts, _ = moe.route(x)  # [B, k]
+    w_gu, w_d = (local_tensor(p).to(x.dtype) for p in (moe.experts.gate_up_proj, moe.experts.down_proj))
+    m, f = w_d.shape[0], w_d.shape[2]
+    b, h = x.shape
+    # combination weight of owned expert j for token b: [B, m] (a token's k experts are distinct)
+    local = experts - moe.tsp.rank * m
+    mine = (local >= 0) & (local < m)
+    comb = torch.zeros(b, m, dtype=x.dtype, device=x.device)
+    comb.scatter_add_(1, local.clamp(0, m - 1), torch.where(mine, weights, 0))
+    xs = x.unsqueeze(0).expand(m, b, h).reshape(m * b, h)  # expert j's rows: [j B, (j+1) B)
+    gu, out = x.new_empty(m * b, 2 * f), x.new_empty(m * b, h)
+    experts_forward(_equal_groups(m, b, x.device, x.dtype), xs, w_gu, w_d, gu, out)
+    y = (comb.T.reshape(m * b, 1) * out).view(m, b, h).sum(0, dtype=acc_dtype(x.dtype))  # [B, h]
+    if moe.shared_expert is not None:
+        y += _mlp_partial(moe.shared_expert, x)
+    return y.to(x.dtype)
+
+
+def mlp_decode(mlp, x: Tensor) -> Tensor:
+    """The MLP of one decode step on x [B, h] (normed, replicated): owned slices, then one all-reduce."""
+    partial = _moe_partial(mlp, x) if isinstance(mlp, TSPMoE) else _mlp_partial(mlp, x)
+    return _sum_over_group(partial, mlp.tsp)
 
 
 def _norm_args(norm) -> tuple[Tensor, float]:

@@ -76,7 +76,7 @@ def prefill(model, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -
     cache.slot_pos[:, : s // d] = torch.where(real, positions[None, :], -1)
     for i, layer in enumerate(model.model.layers):
         x = x + attention_prefill(layer.self_attn, layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i])
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.feed_forward(x)[0]  # the training layer's MLP half (dense ring or mixture of experts)
     x = model.model.norm(x)
     # the last prompt token of sequence b sits at global position L_b - 1 on exactly one rank
     is_last = positions[None, :] == (prompt_lens.to(device) - 1)[:, None]  # [B, S/D]

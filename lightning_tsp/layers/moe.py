@@ -13,8 +13,9 @@ combination weights; being replicated, its gradient is summed over the group (as
 round: expert weights stay, each rank's routed (token, slot) rows go to their experts' owners in one
 variable-size all-to-all, the owners run their experts and send the outputs back in a second one; the rows are
 scaled and combined on the tokens' ranks in the ring's order. Both share the routing sort, the per-expert
-forward/backward and the combination (:func:`sort_rows`, :func:`expert_forward`, :func:`expert_backward`,
-:func:`combine_rows`).
+forward/backward and the combination (:func:`sort_rows`, :func:`experts_forward`, :func:`experts_backward`,
+:func:`combine_rows`). The experts of a shard run as grouped GEMMs (one launch per product for the whole shard)
+where the hardware has them, else one GEMM per expert (:mod:`lightning_tsp.kernels.grouped`).
 
 Parameter names follow Hugging Face transformers >= 5 (Qwen3-MoE / Mixtral ``SparseMoeBlock``), so a block's
 state dict loads as is (sharded along the expert dim 0):
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
+from lightning_tsp.kernels.grouped import ExpertGroups
 from lightning_tsp.layers.mlp import TSPGatedMLP
 from lightning_tsp.schedules.comm import SumGradOverGroup, SumOverGroup, local_tensor, pack, unpack
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
@@ -48,7 +49,7 @@ from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 GATINGS = ("mixtral", "qwen3")
 
 
-SCHEDULES = ("ring", "dispatch")
+SCHEDULES = ("ring", "dispatch", "auto")  # "auto": the cost model picks per call (same function either way)
 
 
 # ---- shared by both expert schedules: routing rows, one expert's forward/backward, the combination -------------
@@ -68,35 +69,44 @@ def sort_rows(experts: Tensor, weights: Tensor, num_experts: int) -> tuple[Tenso
     return order, bounds, order // k, weights.reshape(-1)[order].unsqueeze(1)
 
 
-def expert_forward(xe: Tensor, w_gu: Tensor, w_d: Tensor, gu_out: Tensor, y_out: Tensor) -> None:
-    """One expert on its rows: ``gu_out = xe @ w_gu.T`` (saved for backward), ``y_out = swiglu(gu) @ w_d.T``."""
-    f = w_d.shape[1]
-    gu = torch.mm(xe, w_gu.T, out=gu_out)  # [n_e, 2F], one GEMM
-    act = F.silu(gu[:, :f]) * gu[:, f:]  # [n_e, F]
-    matmul_into(y_out, act, w_d.T)  # [n_e, h]
+def experts_forward(groups: ExpertGroups, xs: Tensor, w_gu: Tensor, w_d: Tensor, gu_out: Tensor,
+                    y_out: Tensor) -> None:
+    """G experts on their rows (sorted by expert, ``groups``): ``gu_out = x_j @ w_gu_j^T`` (saved for backward),
+    ``y_out = swiglu(gu_j) @ w_d_j^T``; ``w_gu`` [G, 2F, h], ``w_d`` [G, h, F]. Two GEMM launches where grouped
+    GEMMs run (:mod:`lightning_tsp.kernels.grouped`), else two per expert."""
+    f = w_d.shape[2]
+    gu = groups.nt(xs, w_gu, out=gu_out)  # [n, 2F]
+    act = F.silu(gu[:, :f]) * gu[:, f:]  # [n, F]
+    groups.nt(act, w_d, out=y_out)  # [n, h]
 
 
-def expert_backward(xe: Tensor, dye: Tensor, we: Tensor, gu: Tensor, w_gu: Tensor, w_d: Tensor,
-                    dx_out: Tensor, dw_out: Tensor, acc_gu: Tensor, acc_d: Tensor) -> None:
-    """Backward of ``we * expert(xe)`` for one expert's rows, ``dye`` the output gradient of each row.
+def experts_backward(groups: ExpertGroups, xs: Tensor, dys: Tensor, ws: Tensor, gu: Tensor, w_gu: Tensor,
+                     w_d: Tensor, dx_out: Tensor, dw_out: Tensor, acc_gu: Tensor, acc_d: Tensor) -> None:
+    """Backward of ``ws * expert_j(x)`` for G experts' rows, ``dys`` the output gradient of each row.
 
-    Writes the input gradient ``dx_out`` [n_e, h] and the combination-weight gradient ``dw_out`` [n_e]; adds the
-    weight gradients into ``acc_gu`` [2F, h] and ``acc_d`` [h, F] in place.
+    Writes the input gradients ``dx_out`` [n, h] and the combination-weight gradients ``dw_out`` [n]; adds the
+    weight gradients into ``acc_gu`` [G, 2F, h] and ``acc_d`` [G, h, F] (fp32) in place.
     """
-    f = w_d.shape[1]
+    f = w_d.shape[2]
     gate, up = gu[:, :f], gu[:, f:]
     sig = torch.sigmoid(gate)
     act = gate * sig  # silu(gate)
-    hid = act * up  # [n_e, F] expert hidden activation
-    d_hid = dye @ w_d  # [n_e, F] gradient of hid for a unit combination weight
+    hid = act * up  # [n, F] expert hidden activation
+    d_hid = groups.nn(dys, w_d)  # [n, F] gradient of hid for a unit combination weight
     dw_out.copy_((d_hid * hid).sum(-1, dtype=dw_out.dtype))  # d y / d weight = expert output
-    d_hid = d_hid * we
+    d_hid = d_hid * ws
     d_gu = torch.empty_like(gu)
     torch.mul(d_hid * up, sig * (1 + gate * (1 - sig)), out=d_gu[:, :f])
     torch.mul(d_hid, act, out=d_gu[:, f:])
-    matmul_into(dx_out, d_gu, w_gu)  # [n_e, h], one GEMM for both input gradients
-    add_matmul_(acc_gu, d_gu.T, xe)  # [2F, h]
-    add_matmul_(acc_d, (dye * we).T, hid)  # [h, F]
+    groups.nn(d_gu, w_gu, out=dx_out)  # [n, h], one GEMM for both input gradients
+    groups.tn_add_(acc_gu, d_gu, xs)  # [G, 2F, h]
+    groups.tn_add_(acc_d, dys * ws, hid)  # [G, h, F]
+
+
+def shard_groups(bounds: list[int], first: int, m: int, like: Tensor) -> ExpertGroups:
+    """The rows of experts ``[first, first + m)`` (``bounds`` of the sorted rows), as groups starting at row 0."""
+    sizes = [bounds[first + j + 1] - bounds[first + j] for j in range(m)]
+    return ExpertGroups(sizes, like.device, dtype=like.dtype)
 
 
 def combine_rows(rows: Tensor, order: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
@@ -124,13 +134,15 @@ class RingExperts(torch.autograd.Function):
         out = torch.zeros(n * k, h, dtype=acc_dtype, device=x.device)  # gate-weighted expert outputs, sorted
         saved_gu = x.new_empty(n * k, 2 * f)  # gate|up pre-activations of every sorted row
         shapes = [gate_up.shape, down.shape]
+        xs = x2[tok]  # [N*k, h] rows sorted by expert
         for s, buf in ring_shards(tsp, pack([gate_up, down], x.dtype)):
             w_gu, w_d = unpack(buf, shapes)  # [E/D, 2F, h], [E/D, h, F]
-            for j in range(m):
-                lo, hi = bounds[s * m + j], bounds[s * m + j + 1]
-                if lo == hi:  # no local token routed to this expert (the ring hop still happens)
-                    continue
-                expert_forward(x2[tok[lo:hi]], w_gu[j], w_d[j], saved_gu[lo:hi], out[lo:hi])
+            lo, hi = bounds[s * m], bounds[(s + 1) * m]
+            if lo == hi:  # no local token routed to this shard's experts (the ring hop still happens)
+                continue
+            groups = shard_groups(bounds, s * m, m, x)
+            experts_forward(groups, xs[lo:hi], w_gu, w_d, saved_gu[lo:hi], out[lo:hi])
+        del xs
         out *= w_rows
         y = combine_rows(out, order, n, k, x.dtype)
         ctx.tsp, ctx.bounds, ctx.shapes = tsp, bounds, shapes
@@ -152,16 +164,15 @@ class RingExperts(torch.autograd.Function):
         dw_rows = torch.zeros(n * k, dtype=acc_dtype, device=x.device)  # gradient of each combination weight
         local = pack([gate_up, down], x.dtype)
         ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype)
+        xs, dys = x2[tok], dy2[tok]  # [N*k, h] rows sorted by expert
         for s, buf, acc in ring:
             w_gu, w_d = unpack(buf, shapes)
             acc_gu, acc_d = unpack(acc, shapes)  # views: the partials are added in place
-            for j in range(m):
-                lo, hi = bounds[s * m + j], bounds[s * m + j + 1]
-                if lo == hi:
-                    continue
-                rows = tok[lo:hi]
-                expert_backward(x2[rows], dy2[rows], w_rows[lo:hi], saved_gu[lo:hi], w_gu[j], w_d[j],
-                                dx_rows[lo:hi], dw_rows[lo:hi], acc_gu[j], acc_d[j])
+            lo, hi = bounds[s * m], bounds[(s + 1) * m]
+            if lo == hi:
+                continue
+            experts_backward(shard_groups(bounds, s * m, m, x), xs[lo:hi], dys[lo:hi], w_rows[lo:hi],
+                             saved_gu[lo:hi], w_gu, w_d, dx_rows[lo:hi], dw_rows[lo:hi], acc_gu, acc_d)
         dx = combine_rows(dx_rows, order, n, k, x.dtype).view(b, l, h)
         d_weights = torch.empty_like(dw_rows)
         d_weights[order] = dw_rows
@@ -226,11 +237,7 @@ class DispatchExperts(torch.autograd.Function):
         saved_gu = x.new_empty(r, 2 * f)
         ys = torch.empty(r, h, dtype=acc_dtype, device=x.device)
         w_gu, w_d = gate_up.to(x.dtype), down.to(x.dtype)  # the compute dtype, as the ring's packed shards
-        for j in range(m):
-            lo, hi = ebounds[j], ebounds[j + 1]
-            if lo == hi:  # no row of any member for this expert
-                continue
-            expert_forward(xs[lo:hi], w_gu[j], w_d[j], saved_gu[lo:hi], ys[lo:hi])
+        experts_forward(shard_groups(ebounds, 0, m, x), xs, w_gu, w_d, saved_gu, ys)
         yr = torch.empty_like(ys)
         yr[perm] = ys
         out = all_to_all_rows(yr, send_splits, recv_splits, tsp)  # [N*k, h] sorted rows, unscaled
@@ -262,12 +269,8 @@ class DispatchExperts(torch.autograd.Function):
         g_gu = torch.zeros(gate_up.shape, dtype=acc_dtype, device=xs.device)
         g_d = torch.zeros(down.shape, dtype=acc_dtype, device=xs.device)
         w_gu, w_d = gate_up.to(dtype), down.to(dtype)
-        for j in range(m):
-            lo, hi = ebounds[j], ebounds[j + 1]
-            if lo == hi:
-                continue
-            expert_backward(xs[lo:hi], dye[lo:hi], we[lo:hi], saved_gu[lo:hi], w_gu[j], w_d[j],
-                            dx_back[lo:hi], dw_back[lo:hi], g_gu[j], g_d[j])
+        experts_backward(shard_groups(ebounds, 0, m, xs), xs, dye.contiguous(), we, saved_gu, w_gu, w_d, dx_back,
+                         dw_back, g_gu, g_d)
         br = torch.empty(r, h + 1, dtype=acc_dtype, device=xs.device)  # [dx | d weight], one message
         br[perm] = torch.cat([dx_back, dw_back.unsqueeze(1)], 1)
         rows = all_to_all_rows(br, send_splits, recv_splits, tsp)  # [N*k, h+1] sorted rows
@@ -283,11 +286,11 @@ class TSPExperts(nn.Module):
     tsp_shard_dims = {"gate_up_proj": 0, "down_proj": 0}
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tsp: TSPGroup,
-                 device=None, dtype=None, schedule: str = "ring"):
+                 device=None, dtype=None, schedule: str = "ring", top_k: int = 1):
         super().__init__()
         if schedule not in SCHEDULES:
             raise TSPConfigError(f"schedule={schedule!r}; choose one of {SCHEDULES}")
-        self.tsp, self.schedule = tsp, schedule
+        self.tsp, self.schedule, self.top_k = tsp, schedule, top_k
         m = num_experts // tsp.size
         kw = dict(device=device, dtype=dtype)
         self.gate_up_proj = nn.Parameter(torch.empty(m, 2 * intermediate_size, hidden_size, **kw))
@@ -304,8 +307,24 @@ class TSPExperts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """x [B, L, h] local tokens, weights/experts [B*L, k] -> [B, L, h] gate-weighted sum of routed experts."""
-        fn = RingExperts if self.schedule == "ring" else DispatchExperts
+        fn = RingExperts if self.schedule_for(experts.numel(), x.dtype) == "ring" else DispatchExperts
         return fn.apply(x, weights, experts, local_tensor(self.gate_up_proj), local_tensor(self.down_proj), self.tsp)
+
+    def schedule_for(self, rows: int, dtype: torch.dtype) -> str:
+        """The schedule that runs ``rows`` routed (token, slot) rows per rank: the configured one, or for
+        ``"auto"`` the cheaper one by the cost model (:func:`lightning_tsp.planning.moe.choose_expert_schedule`;
+        every rank holds as many rows, so every rank makes the same choice)."""
+        if self.schedule != "auto":
+            return self.schedule
+        if self.tsp.size == 1:
+            return "ring"  # no traffic either way
+        from lightning_tsp.planning.moe import choose_expert_schedule
+
+        m, h, f = self.down_proj.shape
+        return choose_expert_schedule(num_experts=m * self.tsp.size, hidden_size=h, intermediate_size=f,
+                                      top_k=self.top_k, tokens=rows // self.top_k, tsp_size=self.tsp.size,
+                                      compute_bytes=torch.empty((), dtype=dtype).element_size(),
+                                      training=torch.is_grad_enabled())
 
 
 def check_moe_shape(*, tsp_size: int, num_experts: int, top_k: int, shared_intermediate_size: int,
@@ -330,22 +349,28 @@ def check_moe_shape(*, tsp_size: int, num_experts: int, top_k: int, shared_inter
         )
 
 
-def load_balancing_loss(experts: Tensor, probs: Tensor, num_experts: int, tsp: TSPGroup) -> Tensor:
-    """Switch / Mixtral auxiliary loss ``E * sum_e f_e * P_e`` over ALL tokens of the group's sequences.
+def router_stats(experts: Tensor, probs: Tensor, num_experts: int) -> Tensor:
+    """This rank's routing statistics of one layer [2, E] (at least fp32): routed-slot counts per expert (no
+    gradient) and the sums of the router probabilities per expert (with gradient). Summed over layers and ranks
+    they give the load-balancing loss (:func:`load_balancing_loss`)."""
+    dt = torch.promote_types(probs.dtype, torch.float32)
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(dt)  # [E]
+    return torch.stack([counts, probs.sum(0).to(dt)])  # [2, E]
 
-    ``f_e`` = (top-k slots routed to e) / tokens, ``P_e`` = mean router probability of e (Hugging Face's
-    ``load_balancing_loss_func`` for one layer, no attention mask). ``experts`` [N, k] and ``probs`` [N, E] are
-    this rank's; counts and probability sums are summed over the group in fp64 (exact counts) in one all-reduce
-    whose backward is the identity (each rank differentiates its own partial, like the loss).
+
+def load_balancing_loss(stats: Tensor, rows: int, tsp: TSPGroup) -> Tensor:
+    """Switch / Mixtral auxiliary loss ``E * sum_e f_e * P_e`` over ALL rows of the group.
+
+    ``stats`` [2, E]: this rank's :func:`router_stats`, summed over the layers that share the loss; ``rows``: how
+    many (token, layer) rows they cover on this rank (every rank holds as many: zigzag). ``f_e`` = routed slots of
+    expert e per row, ``P_e`` = mean router probability of e: Hugging Face's ``load_balancing_loss_func`` (no
+    attention mask), which pools the layers before the product. One all-reduce whose backward is the identity (each
+    rank differentiates its own partial, like the loss). The same value on every rank.
     """
-    n = experts.shape[0]
-    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(torch.float64)  # [E], no gradient
-    stats = torch.cat([counts, probs.sum(0).to(torch.float64)])  # [2E]
     if tsp.size > 1:
         stats = SumOverGroup.apply(stats, tsp)
-    n_tokens = n * tsp.size  # every rank holds the same number of tokens (zigzag)
-    f, p = stats[:num_experts] / n_tokens, stats[num_experts:] / n_tokens
-    return (num_experts * (f * p).sum()).to(probs.dtype)
+    f, p = stats / (rows * tsp.size)
+    return stats.shape[1] * (f * p).sum()
 
 
 class TSPMoE(nn.Module):
@@ -373,7 +398,8 @@ class TSPMoE(nn.Module):
         self.gating, self.norm_topk_prob = gating, norm_topk_prob
         kw = dict(device=device, dtype=dtype)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
-        self.experts = TSPExperts(num_experts, hidden_size, intermediate_size, tsp, schedule=schedule, **kw)
+        self.experts = TSPExperts(num_experts, hidden_size, intermediate_size, tsp, schedule=schedule, top_k=top_k,
+                                  **kw)
         self.shared_expert = (TSPGatedMLP(hidden_size, shared_intermediate_size, tsp, **kw)
                               if shared_intermediate_size else None)
 
@@ -394,13 +420,13 @@ class TSPMoE(nn.Module):
         return weights.to(x2.dtype), experts, probs
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [B, L, h] local (zigzag) tokens -> (y [B, L, h], load-balancing loss over the group's tokens)."""
+        """x [B, L, h] local (zigzag) tokens -> (y [B, L, h], this rank's :func:`router_stats` [2, E]; the
+        load-balancing loss is :func:`load_balancing_loss` of their sum over layers)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
             x = x.to(dtype)
             weights, experts, probs = self.route(x.reshape(-1, x.shape[-1]))
-            aux = load_balancing_loss(experts, probs, self.num_experts, self.tsp)
             y = self.experts(x, weights, experts)
             if self.shared_expert is not None:
                 y = y + self.shared_expert(x)
-            return y, aux
+            return y, router_stats(experts, probs, self.num_experts)

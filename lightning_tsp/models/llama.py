@@ -7,7 +7,7 @@ plain unsharded model and issues no collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -20,10 +20,14 @@ from lightning_tsp.checks import TSPConfigError, check_model_shape
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMHead, TSPRMSNorm
 from lightning_tsp.layers.attention import Documents
+from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_loss
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
 from lightning_tsp.offload import offloaded_checkpoint
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX, document_starts, shard_batch
+
+
+EXPERT_SCHEDULES = ("auto", "ring", "dispatch")
 
 
 @dataclass
@@ -42,6 +46,16 @@ class ModelConfig:
     head_dim: int | None = None  # default hidden_size // n_heads
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    # mixture of experts (lightning_tsp.layers.moe; num_experts = 0: every MLP dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int | None = None  # each expert's SwiGLU width; default intermediate_size
+    shared_expert_intermediate_size: int = 0  # a dense SwiGLU added to every MoE layer's output (0: none)
+    moe_gating: str = "mixtral"  # "mixtral": softmax over the top-k logits; "qwen3": softmax, top-k, norm_topk_prob
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
+    dense_layers: list[int] = field(default_factory=list)  # layers keeping the dense MLP (Qwen3-MoE mlp_only_layers)
+    expert_schedule: str = "auto"  # "ring" | "dispatch" | "auto" (the cost model, per layer call): same function
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -51,13 +65,41 @@ class ModelConfig:
                 )
             self.head_dim = self.hidden_size // self.n_heads
         self.rope_scaling = validate_rope_scaling(self.rope_scaling, self.head_dim, theta=self.rope_theta)
+        self.dense_layers = sorted(int(i) for i in self.dense_layers)  # a list: the config round-trips through JSON
+        if self.num_experts:
+            if self.moe_intermediate_size is None:
+                self.moe_intermediate_size = self.intermediate_size
+            bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise TSPConfigError(f"dense_layers={list(self.dense_layers)} names layers outside 0..{self.n_layers - 1}")
+            if self.expert_schedule not in EXPERT_SCHEDULES:
+                raise TSPConfigError(f"expert_schedule={self.expert_schedule!r}; choose one of {EXPERT_SCHEDULES}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def num_params(self) -> int:
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        per_layer = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h
-        per_layer += (q + 2 * kv) * self.attention_bias + 2 * self.head_dim * self.qk_norm
-        return self.n_layers * per_layer + v * h * (1 if self.tie_embeddings else 2) + h
+        attn = 2 * h * q + 2 * h * kv + 2 * h + (q + 2 * kv) * self.attention_bias + 2 * self.head_dim * self.qk_norm
+        moe = 0
+        if self.num_experts:
+            moe = self.num_experts * (h + 3 * h * self.moe_intermediate_size)  # router + experts
+            moe += 3 * h * self.shared_expert_intermediate_size
+        n_moe = self.n_moe_layers
+        mlps = n_moe * moe + (self.n_layers - n_moe) * 3 * h * f
+        return self.n_layers * attn + mlps + v * h * (1 if self.tie_embeddings else 2) + h
+
+    def num_active_params(self) -> int:
+        """Parameters a token meets (top-k experts of each MoE layer): the 6 N flops-per-token rule's N."""
+        if not self.num_experts:
+            return self.num_params()
+        idle = self.n_moe_layers * (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size
+        return self.num_params() - idle * self.moe_intermediate_size
 
 
 CHECKPOINTING_MODES = ("none", "selective", "full", "offload")
@@ -71,6 +113,17 @@ _PRESET_ARGS: dict[str, dict] = {
     # Llama-3-8B shapes (GQA 32/8).
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                       intermediate_size=14336, rope_theta=500000.0),
+    # a tiny mixture of experts (CPU tests, the MoE demo): 4 experts, top-2
+    "tiny-moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, router_aux_loss_coef=0.01),
+    # Mixtral-8x7B shapes: 8 experts of width 14336, top-2, GQA 32/8
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         intermediate_size=14336, rope_theta=1e6, norm_eps=1e-5, num_experts=8,
+                         num_experts_per_tok=2, router_aux_loss_coef=0.02),
+    # Qwen3-30B-A3B shapes: 128 experts of width 768, top-8 renormalised, GQA 32/4, head_dim 128, q/k norms
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                          intermediate_size=6144, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, moe_gating="qwen3",
+                          norm_topk_prob=True, router_aux_loss_coef=0.001),
 }
 PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**args) for name, args in _PRESET_ARGS.items()}
 
@@ -83,8 +136,15 @@ def get_config(preset: str, **overrides) -> ModelConfig:
 
 
 class TSPDecoderLayer(nn.Module):
+    """Pre-norm decoder layer: broadcast-schedule attention, then the gated MLP (ring schedule) or, when
+    ``moe``, the mixture of experts (:class:`~lightning_tsp.layers.moe.TSPMoE`).
+
+    ``forward`` returns ``(x, router_stats)``: the layer output and, for an MoE layer, this rank's routing
+    statistics [2, E] (routed-slot counts, router-probability sums) that the model pools into the load-balancing
+    loss (None for a dense layer)."""
+
     def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, kv_bucket_heads: int | None = None,
-                 device=None, dtype=None):
+                 moe: bool = False, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
@@ -92,17 +152,29 @@ class TSPDecoderLayer(nn.Module):
                                       head_dim=cfg.head_dim, bias=cfg.attention_bias, qk_norm=cfg.qk_norm,
                                       norm_eps=cfg.norm_eps, kv_bucket_heads=kv_bucket_heads, **kw)
         self.post_attention_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
-        self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
+        if moe:
+            self.mlp = TSPMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                              tsp, gating=cfg.moe_gating, norm_topk_prob=cfg.norm_topk_prob,
+                              shared_intermediate_size=cfg.shared_expert_intermediate_size,
+                              schedule=cfg.expert_schedule, **kw)
+        else:
+            self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None,
-                checkpoint_mlp: bool = False) -> Tensor:
+                checkpoint_mlp: bool = False) -> tuple[Tensor, Tensor | None]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         if checkpoint_mlp:  # "selective": keep attention's activations, recompute the norm + MLP ring in backward
-            return x + checkpoint(self._mlp_block, x, use_reentrant=False)
-        return x + self._mlp_block(x)
+            y, stats = checkpoint(self.feed_forward, x, use_reentrant=False)
+        else:
+            y, stats = self.feed_forward(x)
+        return x + y, stats
 
-    def _mlp_block(self, x: Tensor) -> Tensor:
-        return self.mlp(self.post_attention_layernorm(x))
+    def feed_forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The MLP half on the residual stream x (norm included): (output, router statistics or None)."""
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, TSPMoE):
+            return self.mlp(h)
+        return self.mlp(h), None
 
 
 class _Backbone(nn.Module):
@@ -112,7 +184,8 @@ class _Backbone(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.embed_tokens = TSPEmbedding(cfg.vocab_size, cfg.hidden_size, tsp, **kw)
         self.layers = nn.ModuleList(
-            TSPDecoderLayer(cfg, tsp, attention_kernel, kv_bucket_heads, **kw) for _ in range(cfg.n_layers)
+            TSPDecoderLayer(cfg, tsp, attention_kernel, kv_bucket_heads, moe=cfg.is_moe_layer(i), **kw)
+            for i in range(cfg.n_layers)
         )
         self.norm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
 
@@ -139,9 +212,14 @@ class TSPLlama(nn.Module):
     ):
         super().__init__()
         tsp = tsp or TSPGroup.single()
+        any_dense = cfg.n_moe_layers < cfg.n_layers
         check_model_shape(tsp_size=tsp.size, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                          hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                          hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size if any_dense else tsp.size,
                           vocab_size=cfg.vocab_size)
+        if cfg.num_experts:
+            check_moe_shape(tsp_size=tsp.size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                            shared_intermediate_size=cfg.shared_expert_intermediate_size, gating=cfg.moe_gating,
+                            schedule=cfg.expert_schedule)
         if activation_checkpointing not in CHECKPOINTING_MODES:
             raise TSPConfigError(
                 f"activation_checkpointing={activation_checkpointing!r}; choose one of {CHECKPOINTING_MODES}"
@@ -260,6 +338,10 @@ class TSPLlama(nn.Module):
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Final-norm hidden states [B, S/D, h] of this rank's tokens; ``position_ids`` [S/D] (global positions)
         or [B, S/D] (packed documents: positions inside each document, attention restricted to it)."""
+        return self._backbone(input_ids, position_ids)[0]
+
+    def _backbone(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(final-norm hidden states, this rank's router statistics [2, E] summed over the MoE layers or None)."""
         x = self.model.embed_tokens(input_ids)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
@@ -267,15 +349,18 @@ class TSPLlama(nn.Module):
         documents = None
         if position_ids.dim() == 2:  # packed documents: positions restart inside the sequence
             documents = Documents(document_starts(position_ids, self.tsp.size, self.tsp.rank), self.tsp)
+        router_stats = None
         for layer in self.model.layers:
             mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
             if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
-                x = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
+                x, stats = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
             elif mode == "offload":  # as full, the layer input waiting in pinned host memory
-                x = offloaded_checkpoint(layer, x, cos, sin, documents)
+                x, stats = offloaded_checkpoint(layer, x, cos, sin, documents)
             else:
-                x = layer(x, cos, sin, documents, checkpoint_mlp=mode == "selective")
-        return self.model.norm(x)
+                x, stats = layer(x, cos, sin, documents, checkpoint_mlp=mode == "selective")
+            if stats is not None:
+                router_stats = stats if router_stats is None else router_stats + stats
+        return self.model.norm(x), router_stats
 
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [..., d] of the rotary embedding at the given global positions (training, prefill and decode
@@ -292,11 +377,29 @@ class TSPLlama(nn.Module):
 
     def forward(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor,
                 num_valid_tokens: Tensor | None = None) -> Tensor:
-        """Loss = sum of the group's token losses / ``num_valid_tokens`` (default: valid targets of the group).
+        """Loss = sum of the group's token losses / ``num_valid_tokens`` (default: valid targets of the group), plus
+        ``router_aux_loss_coef`` x the load-balancing loss for a mixture of experts.
 
         Pass ``num_valid_tokens`` to normalise over a larger set (e.g. data-parallel replicas too).
         """
-        losses = self.token_losses(input_ids, targets, position_ids)
+        return self.total_loss(*self.loss_terms(input_ids, targets, position_ids, num_valid_tokens))
+
+    def total_loss(self, loss: Tensor, aux: Tensor | None) -> Tensor:
+        """The training loss from :meth:`loss_terms`: ``loss + router_aux_loss_coef * aux``."""
+        if aux is None or not self.cfg.router_aux_loss_coef:
+            return loss
+        return loss + self.cfg.router_aux_loss_coef * aux
+
+    def loss_terms(self, input_ids: Tensor, targets: Tensor, position_ids: Tensor,
+                   num_valid_tokens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """(language-model loss, load-balancing loss of the MoE layers or None), both the same on every rank.
+
+        The load-balancing loss is Hugging Face's ``load_balancing_loss_func`` over all MoE layers and all tokens
+        of the TSP group's sequences (counts and probabilities pooled over the layers, then multiplied)."""
+        self._check_local(input_ids, targets, position_ids)
+        h, router_stats = self._backbone(input_ids, position_ids)
+        weight = self.model.embed_tokens.weight if self.cfg.tie_embeddings else None
+        losses = self.lm_head(h, targets, weight)
         if num_valid_tokens is None:
             num_valid_tokens = (targets != IGNORE_INDEX).sum().to(torch.float64)
             all_reduce_sum(num_valid_tokens, self.tsp)
@@ -305,7 +408,12 @@ class TSPLlama(nn.Module):
             total = SumOverGroup.apply(total, self.tsp)
         # an all-ignored batch gives 0 (not 0/0); never clamp a positive count
         n = num_valid_tokens.to(total.dtype)
-        return total / torch.where(n > 0, n, torch.ones_like(n))
+        loss = total / torch.where(n > 0, n, torch.ones_like(n))
+        aux = None
+        if router_stats is not None:
+            rows = input_ids.numel() * self.cfg.n_moe_layers  # this rank's (token, layer) rows
+            aux = load_balancing_loss(router_stats, rows, self.tsp)
+        return loss, aux
 
 
 def gather_full(local: Tensor, dim: int | None, tsp: TSPGroup, replicas: int = 1) -> Tensor:

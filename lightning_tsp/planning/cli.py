@@ -16,7 +16,7 @@ from .hardware import HARDWARE_PRESETS, GiB, get_hardware
 from .model import MODEL_PRESETS, ModelShape, get_model_shape
 from .planner import PlanError, format_table, make_plan, select_rows
 from .precision import PRECISIONS, get_precision
-from .strategies import Estimate
+from .strategies import Estimate, tsp_expert_crossover_seq
 
 __all__ = ["main", "build_parser"]
 
@@ -65,9 +65,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _describe_model(s: ModelShape) -> str:
+    if s.is_moe:
+        mlp = (f"{s.n_moe_layers} MoE layers of E={s.num_experts} top-{s.experts_per_token} F_e="
+               f"{s.expert_intermediate_size}" + (f" + shared F_s={s.shared_expert_intermediate_size}"
+                                                   if s.shared_expert_intermediate_size else "")
+               + (f", {s.n_dense_layers} dense F={s.intermediate_size}" if s.n_dense_layers else ""))
+        active = f", {s.active_params / 1e9:.2f}B active"
+    else:
+        mlp, active = f"F={s.intermediate_size}", ""
     return (f"{s.name}: V={s.vocab_size} h={s.hidden_size} L={s.n_layers} heads={s.n_heads}/{s.n_kv_heads} "
-            f"hd={s.hd} F={s.intermediate_size}, {s.total_params / 1e9:.2f}B params "
-            f"({s.non_embedding_params / 1e9:.2f}B without embeddings)")
+            f"hd={s.hd} {mlp}, {s.total_params / 1e9:.2f}B params "
+            f"({s.non_embedding_params / 1e9:.2f}B without embeddings{active})")
+
+
+def _fmt_seq(n: int) -> str:
+    """A token count the way --seq-len takes it: 12K, 1.5M, 300."""
+    if n >= 2**20:
+        return f"{n / 2**20:.1f}M"
+    return f"{n / 1024:.0f}K" if n >= 10 * 1024 else f"{n / 1024:.1f}K" if n >= 1024 else str(n)
+
+
+def _expert_lines(rows: list[Estimate]) -> list[str]:
+    """For an MoE model: the expert schedule of each TSP degree shown and the sequence length where it flips."""
+    lines, seen = [], set()
+    for e in rows:
+        D = e.layout.tsp
+        if e.expert_schedule is None or D in seen:
+            continue
+        seen.add(D)
+        S = tsp_expert_crossover_seq(e.shape, e.layout, e.hardware, e.precision, e.micro_batch)
+        if S is None:
+            why = "cheaper at every S"
+        elif e.expert_schedule == "ring":
+            why = f"dispatch below S = {_fmt_seq(S)}"
+        else:
+            why = f"ring from S = {_fmt_seq(S)}"
+        lines.append(f"experts: {e.expert_schedule} ({why} at D = {D})")
+    return lines
 
 
 def _breakdown(e: Estimate) -> str:
@@ -127,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = plan.estimates if args.all else select_rows(plan)
     print(format_table(rows))
     print()
+    for line in _expert_lines(rows):
+        print(line)
     for n in plan.notes:
         print("note:", n)
     rec = plan.recommended

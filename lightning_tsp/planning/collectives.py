@@ -7,6 +7,8 @@ All numbers are what ONE rank of a TSP group of D ranks issues (every rank issue
 Notation: B micro-batch, S sequence, D TSP degree, L_loc = S/D, h hidden, hd head dim, n_q / n_kv heads,
 F intermediate, V vocab; ``w_bytes`` is the compute dtype's element size (weights AND activations travel in it);
 gradient reductions travel in fp32 (``G_BYTES`` = 4). With D == 1 nothing is issued.
+Mixture-of-experts layers (``moe=True``) replace the MLP ring by the expert ring or expert dispatch; dispatch
+adds the op "all_to_all" (all_to_all_single -> the INPUT tensor), present in a tally only when issued.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .model import ModelShape
 
 __all__ = [
     "OPS",
+    "ALL_OPS",
     "PHASES",
     "G_BYTES",
     "CHECKPOINTING",
@@ -24,6 +27,9 @@ __all__ = [
     "tsp_attn_shard_numel",
     "tsp_mlp_shard_numel",
     "tsp_vocab_shard_numel",
+    "tsp_expert_shard_numel",
+    "tsp_shared_expert_shard_numel",
+    "tsp_moe_mlp_collectives",
     "tsp_kv_gather_numel",
     "tsp_layer_collectives",
     "tsp_embedding_collectives",
@@ -37,6 +43,7 @@ __all__ = [
 ]
 
 OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "all_reduce", "send")
+ALL_OPS = OPS + ("all_to_all",)  # + expert dispatch's all_to_all_single (only in tallies that issue it)
 PHASES = ("forward", "backward")
 G_BYTES = 4  # gradient reductions are fp32
 CHECKPOINTING = ("none", "selective", "full", "offload")
@@ -54,7 +61,7 @@ def add_tallies(*tallies: Tally) -> Tally:
     for t in tallies:
         for p, ops in t.items():
             for op, v in ops.items():
-                out[p][op] += v
+                out[p][op] = out[p].get(op, 0) + v
     return out
 
 
@@ -100,6 +107,21 @@ def tsp_mlp_shard_numel(shape: ModelShape, D: int) -> int:
     return 3 * shape.intermediate_size * shape.hidden_size // D
 
 
+def tsp_expert_shard_numel(shape: ModelShape, D: int) -> int:
+    """Packed experts of one rank [gate_up (E/D, 2F_e, h); down (E/D, h, F_e)] = E/D * 3 F_e h elements."""
+    if shape.num_experts % D:
+        raise ValueError(f"num_experts={shape.num_experts} is not divisible by D={D}")
+    return shape.num_experts // D * shape.expert_params
+
+
+def tsp_shared_expert_shard_numel(shape: ModelShape, D: int) -> int:
+    """The shared expert's dense-ring shard: 3 F_s h / D elements."""
+    if shape.shared_expert_intermediate_size % D:
+        raise ValueError(f"shared_expert_intermediate_size={shape.shared_expert_intermediate_size} is not "
+                         f"divisible by D={D}")
+    return shape.shared_expert_params // D
+
+
 def tsp_vocab_shard_numel(shape: ModelShape, D: int) -> int:
     """Vocab shard of the embedding / LM head: ceil(V/D) * h elements (vocab padded to a multiple of D)."""
     return -(-shape.vocab_size // D) * shape.hidden_size
@@ -116,7 +138,8 @@ def _check_seq(S: int, D: int) -> None:
         raise ValueError(f"seq_len={S} must be a positive multiple of 2*D={2 * D} (zigzag layout)")
 
 
-def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, what: What) -> Tally:
+def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, what: What, mlp: bool = True
+                      ) -> Tally:
     t = _empty()
     f = t["forward"]
     by = what == "bytes"
@@ -124,7 +147,60 @@ def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, w
     # per KV group: one all-gather per zigzag half, each half of the gathered K/V
     g = tsp_kv_groups(shape, D)
     f["all_gather_into_tensor"] = g * (tsp_kv_gather_numel(shape, B, S, D) * w_bytes if by else 2)
-    f["send"] = (D - 1) * (tsp_mlp_shard_numel(shape, D) * w_bytes if by else 1)
+    if mlp:  # the dense MLP ring
+        f["send"] = (D - 1) * (tsp_mlp_shard_numel(shape, D) * w_bytes if by else 1)
+    return t
+
+
+def tsp_moe_mlp_collectives(
+    shape: ModelShape,
+    B: int,
+    S: int,
+    D: int,
+    w_bytes: int,
+    training: bool = True,
+    checkpointing: str = "none",
+    what: What = "bytes",
+    schedule: str = "ring",
+) -> Tally:
+    """The MLP half of one MoE layer on one TSP rank (``lightning_tsp.layers.moe.TSPMoE``).
+
+    Routed experts, ``schedule="ring"``: forward D-1 sends of this rank's packed experts (M_e = E/D * 3 F_e h
+    elements, w_bytes); backward D-1 weight sends + D-1 accumulator sends (acc = max(w_bytes, 4) bytes per element).
+    ``schedule="dispatch"``, with N = B*S/D local tokens and k = top-k: forward 3 all_to_alls (E int64 counts,
+    N*k*h rows in w_bytes out, N*k*h outputs in acc back), backward 2 (N*k*(h+1) [dy | weight] in w_bytes out,
+    N*k*(h+1) [dx | d weight] in acc back); routing assumed balanced (the returned buffers hold N*k rows).
+    Shared expert (F_s > 0): the dense MLP ring with M_s = 3 F_s h / D. Router: one fp32 all-reduce of its E*h
+    gradient in backward. "full", "offload" and "selective" checkpointing re-run the MoE forward in backward.
+    """
+    _check_what(what)
+    if schedule not in ("ring", "dispatch"):
+        raise ValueError(f"schedule must be 'ring' or 'dispatch', got {schedule!r}")
+    t = _empty()
+    if D == 1:
+        return t
+    by = what == "bytes"
+    w, acc, h = w_bytes, max(w_bytes, G_BYTES), shape.hidden_size
+    f, b = t["forward"], t["backward"]
+    if schedule == "ring":
+        m = tsp_expert_shard_numel(shape, D)
+        f["send"] += (D - 1) * (m * w if by else 1)
+        b["send"] += (D - 1) * (m * (w + acc) if by else 2)
+    else:
+        tsp_expert_shard_numel(shape, D)  # E % D checked the same way
+        rows = B * S // D * shape.experts_per_token  # routed (token, slot) rows of this rank
+        f["all_to_all"] = (shape.num_experts * 8 + rows * h * (w + acc)) if by else 3  # int64 counts, rows, outputs
+        b["all_to_all"] = rows * (h + 1) * (w + acc) if by else 2
+    if shape.shared_expert_intermediate_size:
+        ms = tsp_shared_expert_shard_numel(shape, D)
+        f["send"] += (D - 1) * (ms * w if by else 1)
+        b["send"] += (D - 1) * (ms * (w + G_BYTES) if by else 2)
+    b["all_reduce"] += shape.router_params * G_BYTES if by else 1
+    if not training:
+        return {"forward": f, "backward": _empty()["backward"]}
+    if checkpointing in ("full", "offload", "selective"):  # the MoE block's forward re-runs inside backward
+        for op, v in f.items():
+            b[op] = b.get(op, 0) + v
     return t
 
 
@@ -137,6 +213,8 @@ def tsp_layer_collectives(
     training: bool = True,
     checkpointing: str = "none",
     what: What = "bytes",
+    moe: bool = False,
+    expert_schedule: str = "ring",
 ) -> Tally:
     """One transformer layer (attention broadcast schedule + MLP ring + 2 RMSNorms) on one TSP rank.
 
@@ -147,6 +225,8 @@ def tsp_layer_collectives(
     (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
     backward (one more forward's worth); "offload" the same without the K/V all-gathers (the attention outputs are
     replayed); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
+    ``moe``: an MoE layer: the MLP ring's sends are replaced by :func:`tsp_moe_mlp_collectives` with
+    ``expert_schedule``.
     Returns phase -> op -> bytes (``what="bytes"``) or number of calls (``what="calls"``).
     """
     _check_what(what)
@@ -156,11 +236,12 @@ def tsp_layer_collectives(
         return _empty()
     _check_seq(S, D)
     by = what == "bytes"
-    fwd = _attn_mlp_forward(shape, B, S, D, w_bytes, what)
+    fwd = _attn_mlp_forward(shape, B, S, D, w_bytes, what, mlp=not moe)
+    experts = (tsp_moe_mlp_collectives(shape, B, S, D, w_bytes, training, checkpointing, what, expert_schedule)
+               if moe else _empty())
     if not training:
-        return fwd
+        return add_tallies(fwd, experts)
     attn = tsp_attn_shard_numel(shape, D)
-    mlp = tsp_mlp_shard_numel(shape, D)
     kv = tsp_kv_gather_numel(shape, B, S, D)
     bwd = _empty()
     b = bwd["backward"]
@@ -172,7 +253,9 @@ def tsp_layer_collectives(
     b["all_reduce"] = 2 * (shape.hidden_size * G_BYTES if by else 1)
     if g < D:  # replicated KV heads: their weight gradients summed over the group, one all-reduce
         b["all_reduce"] += (shape.n_kv_heads * 2 * shape.hd * shape.hidden_size * G_BYTES) if by else 1
-    b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
+    if not moe:
+        mlp = tsp_mlp_shard_numel(shape, D)
+        b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
     out = add_tallies(fwd, bwd)
     if checkpointing in ("full", "offload"):
         recompute = fwd["forward"]
@@ -182,7 +265,7 @@ def tsp_layer_collectives(
                 out["backward"][op] += v
     elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again
         out["backward"]["send"] += fwd["forward"]["send"]
-    return out
+    return add_tallies(out, experts)
 
 
 def _vocab_ring(shape: ModelShape, D: int, w_bytes: int, training: bool, what: What, bwd_weights: bool) -> Tally:
@@ -265,14 +348,16 @@ def tsp_step_collectives(
     checkpointing: str = "none",
     what: What = "bytes",
     param_bytes: int | None = None,
+    expert_schedule: str = "ring",
 ) -> Tally:
-    """Everything one TSP rank issues in one step (one micro-batch): n_layers layers + embedding + LM head +
-    final norm + loss. ``param_bytes``: element size of the stored parameters (the embedding ring moves them as
-    stored; default ``w_bytes``; 4 under bf16-mixed). Excludes the data-parallel gradient reduction (it is not a
-    TSP-group collective)."""
-    layer = tsp_layer_collectives(shape, B, S, D, w_bytes, training, checkpointing, what)
+    """Everything one TSP rank issues in one step (one micro-batch): n_layers layers (dense and MoE) + embedding +
+    LM head + final norm + loss. ``param_bytes``: element size of the stored parameters (the embedding ring moves
+    them as stored; default ``w_bytes``; 4 under bf16-mixed). ``expert_schedule``: the MoE layers' schedule.
+    Excludes the data-parallel gradient reduction (it is not a TSP-group collective)."""
+    layers = [scale_tally(tsp_layer_collectives(shape, B, S, D, w_bytes, training, checkpointing, what, moe,
+                                                expert_schedule), n) for n, moe in shape.layer_kinds()]
     return add_tallies(
-        scale_tally(layer, shape.n_layers),
+        *layers,
         tsp_embedding_collectives(shape, D, w_bytes if param_bytes is None else param_bytes, training, what),
         tsp_lm_head_collectives(shape, D, w_bytes, training, what),
         tsp_final_norm_collectives(shape, D, training, what),
@@ -294,6 +379,7 @@ _WIRE_FACTORS = {
     "broadcast": lambda n: (n - 1) / n,
     "reduce": lambda n: (n - 1) / n,
     "send": lambda n: 1.0,  # already per rank (each send has one matching recv)
+    "all_to_all": lambda n: (n - 1) / n,  # of the input: the part for the other ranks leaves
 }
 
 

@@ -2,6 +2,8 @@
 
 Causal attention is counted exactly: a sequence of S tokens has S(S+1)/2 (query, key) pairs, each costing
 2*hd FLOPs for QK^T and 2*hd for PV per query head.
+A mixture-of-experts layer counts what a token meets: its k experts (3 GEMMs of width F_e each), the shared
+expert and the router (2*E*h per token); 2 FLOPs per active weight per token, like a dense layer.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ def attention_pairs(S: int, causal: bool = True) -> int:
     return S * (S + 1) // 2 if causal else S * S
 
 
-def layer_linear_flops(shape: ModelShape, tokens: int) -> int:
-    """Forward FLOPs of one layer's projections for ``tokens`` tokens: Q, K, V, O and SwiGLU gate, up, down."""
+def layer_linear_flops(shape: ModelShape, tokens: int, moe: bool = False) -> int:
+    """Forward FLOPs of one layer's projections for ``tokens`` tokens: Q, K, V, O and SwiGLU gate, up, down
+    (``moe``: the router, the k routed experts and the shared expert of each token)."""
     h = shape.hidden_size
     proj = 2 * tokens * h * (2 * shape.q_dim + 2 * shape.kv_dim)
-    mlp = 2 * tokens * h * shape.intermediate_size * 3
+    mlp = 2 * tokens * (shape.moe_active_mlp_params if moe else h * shape.intermediate_size * 3)
     return proj + mlp
 
 
@@ -45,7 +48,7 @@ def forward_flops(shape: ModelShape, B: int, S: int, causal: bool = True) -> dic
     """Forward FLOPs of the whole model for one micro-batch (B sequences of S tokens), by part."""
     T = B * S
     return {
-        "linear": shape.n_layers * layer_linear_flops(shape, T),
+        "linear": sum(n * layer_linear_flops(shape, T, moe) for n, moe in shape.layer_kinds()),
         "attention": shape.n_layers * layer_attention_flops(shape, B, S, causal),
         "lm_head": lm_head_flops(shape, T),
     }

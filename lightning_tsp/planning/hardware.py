@@ -10,10 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Hardware", "HARDWARE_PRESETS", "get_hardware", "GiB", "GB"]
+__all__ = ["Hardware", "HARDWARE_PRESETS", "get_hardware", "GiB", "GB", "INTRA_LATENCY_S", "INTER_LATENCY_S",
+           "ALL_TO_ALL_LATENCY_S", "HOST_SYNC_S"]
 
 GiB = 2**30
 GB = 10**9
+
+# Fixed costs (the alpha of the alpha-beta model). ASSUMPTIONS, not measurements: calibrate them on the target
+# machine (e.g. time a 1-element collective and a .tolist() between two GEMMs). Small next to the bandwidth terms
+# at long context; they decide the expert schedule only at short sequences.
+INTRA_LATENCY_S = 10e-6  # one collective call or ring send inside a node
+INTER_LATENCY_S = 25e-6  # the same across nodes
+ALL_TO_ALL_LATENCY_S = 25e-6  # one variable-size all_to_all_single (NCCL: grouped sends/recvs to D-1 peers)
+HOST_SYNC_S = 50e-6  # one device-to-host read the host waits for (.tolist() of routing counts): the copy plus
+#                      the bubble while the host, no longer ahead of the GPU, launches the next kernels
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,32 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _head_ok(shape: ModelShape, d: int) -> bool:
-    """Heads and intermediate split over d ranks (KV heads split, or replicated to d / n_kv owners)."""
+def _mlp_ok(shape: ModelShape, d: int, whole_experts: bool = False) -> bool:
+    """The MLPs split over d ranks: the dense MLP's and the shared expert's columns, and the routed experts whole
+    (TSP: num_experts % d) or by columns (TP: each expert's width % d)."""
+    if shape.n_moe_layers < shape.n_layers and shape.intermediate_size % d:
+        return False
+    if not shape.is_moe:
+        return True
+    experts = shape.num_experts if whole_experts else shape.expert_intermediate_size
+    return experts % d == 0 and shape.shared_expert_intermediate_size % d == 0
+
+
+def _mlp_need(shape: ModelShape) -> str:
+    """What TSP's MLP split needs divisible by D, for messages."""
+    need = [f"intermediate_size={shape.intermediate_size}"] if shape.n_moe_layers < shape.n_layers else []
+    if shape.is_moe:
+        need.append(f"num_experts={shape.num_experts}")
+    if shape.shared_expert_intermediate_size:
+        need.append(f"shared_expert_intermediate_size={shape.shared_expert_intermediate_size}")
+    return " and ".join(need)
+
+
+def _head_ok(shape: ModelShape, d: int, whole_experts: bool = False) -> bool:
+    """Heads and MLP split over d ranks (KV heads split, or replicated to d / n_kv owners); ``whole_experts``:
+    TSP's split of an MoE model (E/d whole experts per rank) instead of TP's (every expert's columns)."""
     kv = shape.n_kv_heads
-    return (shape.n_heads % d == 0 and (kv % d == 0 or d % kv == 0) and shape.intermediate_size % d == 0)
+    return shape.n_heads % d == 0 and (kv % d == 0 or d % kv == 0) and _mlp_ok(shape, d, whole_experts)
 
 
 def _next_multiple(x: int, m: int) -> int:
@@ -41,8 +63,8 @@ def _validate_degree(shape: ModelShape, seq_len: int, gpus: int, D: int) -> None
                         f"{shape.n_heads} ({[d for d in divisors(shape.n_heads) if d >= 2 and gpus % d == 0]})")
     if not (shape.n_kv_heads % D == 0 or D % shape.n_kv_heads == 0):
         raise PlanError(f"--tsp-degree {D}: n_kv_heads={shape.n_kv_heads} must divide D or be divisible by it")
-    if shape.intermediate_size % D:
-        raise PlanError(f"--tsp-degree {D} does not divide intermediate_size={shape.intermediate_size}")
+    if not _mlp_ok(shape, D, whole_experts=True):
+        raise PlanError(f"--tsp-degree {D} does not divide {_mlp_need(shape)}")
     if seq_len % (2 * D):
         raise PlanError(
             f"--seq-len {seq_len} is not divisible by 2*D = {2 * D} (zigzag layout for --tsp-degree {D}): use "
@@ -80,12 +102,15 @@ def validate(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node: int, mic
             f"{cand} (the divisors of --gpus {gpus}) divides the head count. TSP needs n_heads % D == 0: use a "
             f"--gpus that has such a divisor, {fix}"
         )
-    ffn = [d for d in heads if shape.intermediate_size % d == 0]
-    if not ffn:
+    ffn = [d for d in heads if _mlp_ok(shape, d, whole_experts=True)]
+    if not ffn and not shape.is_moe:
         raise PlanError(
             f"intermediate_size={shape.intermediate_size} is not divisible by any head-compatible TSP degree "
             f"{heads}: the MLP ring needs intermediate_size % D == 0"
         )
+    if not ffn:
+        raise PlanError(f"no head-compatible TSP degree in {heads} divides {_mlp_need(shape)}: each rank holds "
+                        f"num_experts/D whole experts (and 1/D of each dense MLP's columns)")
     seq = [d for d in ffn if seq_len % (2 * d) == 0]
     if not seq:
         d = min(ffn)
@@ -110,11 +135,10 @@ def candidate_layouts(shape: ModelShape, seq_len: int, gpus: int, gpus_per_node:
     ds = [d for d in divisors(gpus) if d >= 2]
     skipped = []
     for d in ds:
-        if not _head_ok(shape, d):
-            continue
-        out.append(Layout("tp", gpus, gpn, tp=d))
-        out.append(Layout("tp_sp", gpus, gpn, tp=d))
-        if tsp_degree is not None and d != tsp_degree:
+        if _head_ok(shape, d):
+            out.append(Layout("tp", gpus, gpn, tp=d))
+            out.append(Layout("tp_sp", gpus, gpn, tp=d))
+        if not _head_ok(shape, d, whole_experts=True) or (tsp_degree is not None and d != tsp_degree):
             continue
         if seq_len % (2 * d) == 0:
             out.append(Layout("tsp", gpus, gpn, tsp=d))

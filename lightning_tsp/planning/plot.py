@@ -28,9 +28,9 @@ def _layouts_for_node(shape: ModelShape, gpus: int, gpn: int, seq_lens: list[int
     if heads:
         t = max(heads)
         out += [Layout("tp", gpus, gpn, tp=t), Layout("tp_sp", gpus, gpn, tp=t)]
-        tsp = [d for d in heads if ok_seq(d)]
-        if tsp:
-            out.append(Layout("tsp", gpus, gpn, tsp=max(tsp)))
+    tsp = [d for d in ds if ok_seq(d) and _head_ok(shape, d, whole_experts=True)]  # MoE: E/D whole experts
+    if tsp:
+        out.append(Layout("tsp", gpus, gpn, tsp=max(tsp)))
     sp = [d for d in ds if ok_seq(d)]
     if sp:
         out.append(Layout("sp", gpus, gpn, sp=max(sp)))

@@ -10,6 +10,13 @@ replicas (``dp = gpus / model_parallel``), meshes laid out with the model-parall
   tp_x_sp  TP (size tp, inner) x SP (size sp) on a 2-D grid
   tsp      TSP (broadcast schedule + MLP ring + vocab rings) over ``tsp`` ranks
 All memory numbers are bytes on one GPU; communication is what one GPU issues.
+
+Mixture-of-experts models: each strategy shards the experts the way it shards its MLP. DP, SP: replicated.
+FSDP: every parameter 1/f, a layer gathered whole (all its experts). TP, TP-SP, TPxSP: every expert's columns
+split over T (expert tensor parallelism: the same activation collectives as a dense MLP, every rank runs all
+routed rows on its slice); the router is replicated. TSP: E/D whole experts per rank, the expert ring or expert
+dispatch (the cheaper one, ``planning.moe``). Activations: a token's k experts (and the shared expert) stand in
+for the dense SwiGLU width (k*F_e + F_s); routing is assumed balanced.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ from dataclasses import dataclass, field
 
 from . import collectives as C
 from .flops import training_flops
-from .hardware import Hardware
+from .hardware import ALL_TO_ALL_LATENCY_S, HOST_SYNC_S, INTER_LATENCY_S, INTRA_LATENCY_S, Hardware
 from .model import ModelShape
+from .moe import choose_expert_schedule, crossover_tokens
 from .precision import Precision
 
-__all__ = ["STRATEGIES", "STRATEGY_LABELS", "Layout", "CommEntry", "Estimate", "estimate", "memory_breakdown"]
+__all__ = ["STRATEGIES", "STRATEGY_LABELS", "Layout", "CommEntry", "Estimate", "estimate", "memory_breakdown",
+           "tsp_expert_schedule", "tsp_expert_crossover_seq"]
 
 STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "sp", "tp_x_sp", "tsp")
 STRATEGY_LABELS = {
@@ -34,10 +43,6 @@ STRATEGY_LABELS = {
     "tp_x_sp": "TPxSP",
     "tsp": "TSP",
 }
-
-# Per-call latency (alpha of the alpha-beta model): an assumption, small next to the bandwidth term at long context.
-INTRA_LATENCY_S = 10e-6
-INTER_LATENCY_S = 25e-6
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,12 @@ class CommEntry:
     overlap: bool  # can run behind compute
     per_layer: bool
     what: str = ""
+    layers: int | None = None  # per-layer entries of only some layers (MoE or dense ones): how many
 
     def occurrences(self, n_layers: int) -> int:
-        return n_layers if self.per_layer else 1
+        if not self.per_layer:
+            return 1
+        return n_layers if self.layers is None else self.layers
 
     @property
     def wire(self) -> float:
@@ -140,6 +148,7 @@ class Estimate:
     step_s: float
     headroom: float = 0.9
     notes: list[str] = field(default_factory=list)
+    expert_schedule: str | None = None  # TSP on an MoE model: "ring" or "dispatch"
 
     @property
     def peak_bytes(self) -> float:
@@ -161,14 +170,14 @@ class Estimate:
                    wire: bool = False, group: str | None = None) -> dict[str, float]:
         """Bytes by op, filtered. Per-layer entries count once each (not x n_layers) when ``per_layer=True``;
         with ``per_layer=None`` everything of one step is summed (layers x n_layers)."""
-        out = {op: 0.0 for op in C.OPS}
+        out = {op: 0.0 for op in C.OPS}  # + "all_to_all" when expert dispatch issues it
         for e in self.comm:
             if per_layer is not None and e.per_layer != per_layer:
                 continue
             if (phase and e.phase != phase) or (link and e.link != link) or (group and e.group != group):
                 continue
             k = 1 if per_layer is not None else e.occurrences(self.shape.n_layers)
-            out[e.op] += k * (e.wire if wire else e.bytes)
+            out[e.op] = out.get(e.op, 0.0) + k * (e.wire if wire else e.bytes)
         return out
 
     def step_wire(self, link: str) -> float:
@@ -186,12 +195,15 @@ def _kv_local(n_kv: int, T: int) -> int:
 
 def _sharded_params(shape: ModelShape, T: int) -> int:
     """Head/column-sharded layers over T ranks (TP, TSP): attention by heads, MLP by intermediate columns,
-    embedding / LM head by vocab (padded), norms replicated."""
+    embedding / LM head by vocab (padded), norms replicated. MoE layers: experts 1/T (TSP: E/T whole experts,
+    TP: every expert's columns), the shared expert by columns, the router replicated."""
     h, hd = shape.hidden_size, shape.hd
     attn = 2 * (shape.n_heads // T) * hd * h + 2 * _kv_local(shape.n_kv_heads, T) * hd * h
     mlp = 3 * shape.intermediate_size // T * h
+    moe = (shape.num_experts * shape.expert_params + shape.shared_expert_params) // T + shape.router_params
     vocab = -(-shape.vocab_size // T) * h * (1 if shape.tie_word_embeddings else 2)
-    return shape.n_layers * (attn + mlp + shape.norm_params) + vocab + h
+    layers = sum(n * (attn + (moe if is_moe else mlp) + shape.norm_params) for n, is_moe in shape.layer_kinds())
+    return layers + vocab + h
 
 
 def local_params(shape: ModelShape, layout: Layout) -> int:
@@ -258,8 +270,8 @@ FUSED_OPTIMIZER = False
 LM_HEAD_TOKEN_CHUNK = 4096  # tokens per logit block in TSP's ring cross-entropy (TSPLMHead's default)
 
 
-def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, checkpointing: str
-                     ) -> dict[str, float]:
+def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, checkpointing: str,
+                     expert_schedule: str | None = None) -> dict[str, float]:
     """Peak bytes on one GPU and its parts.
 
     train_peak = weights + compute_copy + optimizer
@@ -270,6 +282,8 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     layer_working: one layer's activations that are not saved (recomputed in backward) + the strategy's transient
     buffers during a layer; head_working: the LM-head stage (logits + vocab buffers), which runs while every
     layer's saved activations are alive and before any layer is recomputed.
+    MoE layers: activations with the SwiGLU width a token meets (k*F_e + F_s); TSP's transient buffers of the
+    ``expert_schedule`` ("ring": the expert ring's shards; "dispatch": the routed rows in flight; None: the larger).
     """
     s, h, V = layout.strategy, shape.hidden_size, shape.vocab_size
     a, w = p.compute, p.compute
@@ -285,9 +299,10 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     nq, nkv, F = shape.n_heads, shape.n_kv_heads, shape.intermediate_size
     layer_transient = 0.0
     head_transient = 0.0
+    split = layout.tp if s in ("tp", "tp_sp", "tp_x_sp") else 1  # the MLP's column split
     kw = dict(norm_gathered=False, kv_gathered=0.0, mlp_saved=4)
     if s in ("dp", "fsdp"):
-        kw.update(T_res=T, T_norm=T, T_tok=T, q_heads=nq, kv_heads=nkv, F_loc=F)
+        kw.update(T_res=T, T_norm=T, T_tok=T, q_heads=nq, kv_heads=nkv)
         logits_bytes = T * V * (a + 4)  # logits (compute dtype) + fp32 log-softmax kept for backward
         if s == "fsdp":
             lp = shape.layer_params
@@ -298,28 +313,27 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
         t = layout.tp
         seq_sharded = s == "tp_sp"
         kw.update(T_res=T / t if seq_sharded else T, T_norm=T, T_tok=T, q_heads=nq // t,
-                  kv_heads=_kv_local(nkv, t), F_loc=F // t, norm_gathered=seq_sharded)
+                  kv_heads=_kv_local(nkv, t), norm_gathered=seq_sharded)
         logits_bytes = T * -(-V // t) * (a + 4)  # vocab-parallel cross-entropy
     elif s == "sp":
         sig = layout.sp
-        kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq, kv_heads=nkv, F_loc=F,
+        kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq, kv_heads=nkv,
                   kv_gathered=2 * T * nkv * shape.hd)
         logits_bytes = T / sig * V * (a + 4)
     elif s == "tp_x_sp":
         t, sig = layout.tp, layout.sp
         kvl = _kv_local(nkv, t)
-        kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq // t, kv_heads=kvl, F_loc=F // t,
+        kw.update(T_res=T / sig, T_norm=T / sig, T_tok=T / sig, q_heads=nq // t, kv_heads=kvl,
                   kv_gathered=2 * T * kvl * shape.hd)
         logits_bytes = T / sig * -(-V // t) * (a + 4)
     else:  # tsp
         D = layout.tsp
         T_loc = T / D
-        kw.update(T_res=T_loc, T_norm=T_loc, T_tok=T_loc, q_heads=nq, kv_heads=nkv, F_loc=F, mlp_saved=2)
+        kw.update(T_res=T_loc, T_norm=T_loc, T_tok=T_loc, q_heads=nq, kv_heads=nkv, mlp_saved=2)
         # ring cross-entropy: one [chunk, V/D] fp32 logit block (+ fp32 exp / softmax block, compute-dtype grad)
         logits_bytes = min(T_loc, LM_HEAD_TOKEN_CHUNK) * -(-V // D) * (4 + 4 + a)
         if D > 1:
             A = C.tsp_attn_shard_numel(shape, D)
-            M = C.tsp_mlp_shard_numel(shape, D)
             kv = C.tsp_kv_gather_numel(shape, B, S, D)
             Vs = C.tsp_vocab_shard_numel(shape, D)
             g = C.G_BYTES
@@ -330,13 +344,29 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
             attn_tr = 3 * A * w + 2 * A * g + kv * a + kv * g + kv * a
             # MLP ring: own packed shard + current + next (3 M) and, in backward, the fp32 accumulator + the one
             # arriving (2 M fp32)
-            mlp_tr = 3 * M * w + 2 * M * g
+            ring = lambda M: 3 * M * w + 2 * M * g
+            mlp_tr = 0.0
+            if shape.n_moe_layers < shape.n_layers:  # the dense MLP ring
+                mlp_tr = ring(C.tsp_mlp_shard_numel(shape, D))
+            if shape.is_moe:
+                Me = C.tsp_expert_shard_numel(shape, D)
+                rows = T_loc * shape.experts_per_token
+                # dispatch: own experts cast to the compute dtype, rows out + in (compute dtype) and outputs out +
+                # in (fp32), routing balanced
+                tr = {"ring": ring(Me), "dispatch": Me * w + rows * h * (2 * w + 2 * g)}
+                moe_tr = tr[expert_schedule] if expert_schedule else max(tr.values())
+                shared_tr = ring(C.tsp_shared_expert_shard_numel(shape, D)) if shape.shared_expert_params else 0
+                mlp_tr = max(mlp_tr, moe_tr, shared_tr)  # the shared expert runs after the routed ones
             layer_transient = max(attn_tr, mlp_tr)  # attention and MLP run one after the other
             head_transient = 3 * Vs * w + 2 * Vs * g + T_loc * h * 4  # LM-head ring + fp32 dx
-    full, saved = _layer_activations(shape, p, checkpointing, **kw)
+    kinds = []  # (layers, full, saved) of the dense and the MoE layers
+    for n, moe in shape.layer_kinds():
+        width = shape.experts_per_token * shape.expert_intermediate_size + shape.shared_expert_intermediate_size
+        kw["F_loc"] = (width if moe else F) // split
+        kinds.append((n, *_layer_activations(shape, p, checkpointing, **kw)))
     final_hidden = kw["T_res"] * h * p.residual
-    mem["activations"] = shape.n_layers * saved
-    mem["layer_working"] = (full - saved) + layer_transient
+    mem["activations"] = sum(n * saved for n, _, saved in kinds)
+    mem["layer_working"] = max(full - saved for _, full, saved in kinds) + layer_transient
     mem["head_working"] = logits_bytes + final_hidden + head_transient
     mem["transient_buffers"] = max(layer_transient, head_transient)  # informational (included above)
     states = mem["weights"] + mem["compute_copy"] + mem["grads"] + mem["optimizer"]
@@ -360,20 +390,25 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
 # Communication
 # ----------------------------------------------------------------------------------------------------------------
 
-def _tsp_comm(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str) -> list[CommEntry]:
+def _tsp_comm(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str,
+              expert_schedule: str = "ring") -> list[CommEntry]:
     D, gpn = layout.tsp, layout.gpus_per_node
     link = _link(D, 1, gpn)
     out: list[CommEntry] = []
 
-    def add(tb: C.Tally, tc: C.Tally, per_layer: bool, what: str) -> None:
+    def add(tb: C.Tally, tc: C.Tally, per_layer: bool, what: str, layers: int | None = None) -> None:
         for ph in C.PHASES:
-            for op in C.OPS:
-                if tb[ph][op]:
-                    out.append(CommEntry(ph, op, "tsp", D, link, tb[ph][op], tc[ph][op], True, per_layer, what))
+            for op, v in tb[ph].items():
+                if v:  # expert dispatch's all-to-alls block the next GEMM: not overlapped
+                    out.append(CommEntry(ph, op, "tsp", D, link, v, tc[ph][op], op != "all_to_all", per_layer,
+                                         what, layers))
 
     w = p.compute
-    add(C.tsp_layer_collectives(shape, B, S, D, w, True, mode),
-        C.tsp_layer_collectives(shape, B, S, D, w, True, mode, what="calls"), True, "layer")
+    for n, moe in shape.layer_kinds():
+        kw = dict(moe=moe, expert_schedule=expert_schedule)
+        add(C.tsp_layer_collectives(shape, B, S, D, w, True, mode, **kw),
+            C.tsp_layer_collectives(shape, B, S, D, w, True, mode, what="calls", **kw), True,
+            f"MoE layer ({expert_schedule})" if moe else "layer", None if n == shape.n_layers else n)
     add(C.tsp_embedding_collectives(shape, D, p.weight), C.tsp_embedding_collectives(shape, D, p.weight, what="calls"),
         False, "embedding")
     add(C.tsp_lm_head_collectives(shape, D, w), C.tsp_lm_head_collectives(shape, D, w, what="calls"), False,
@@ -391,29 +426,33 @@ def _grad_sync(n_params: int, p: Precision, size: int, stride: int, gpn: int, gr
                       True, False, "gradient all-reduce")]
 
 
-def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str) -> list[CommEntry]:
-    """Everything one GPU issues per step. Logical bytes follow the collectives.py convention."""
+def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str,
+                  expert_schedule: str = "ring") -> list[CommEntry]:
+    """Everything one GPU issues per step. Logical bytes follow the collectives.py convention.
+    ``expert_schedule``: TSP's MoE layers ("ring" or "dispatch")."""
     s, gpn, h, a = layout.strategy, layout.gpus_per_node, shape.hidden_size, p.compute
     T = B * S
     out: list[CommEntry] = []
     n_local = local_params(shape, layout)
     full = mode in ("full", "offload")
 
-    def E(phase, op, group, size, stride, nbytes, calls, overlap, per_layer, what):
+    def E(phase, op, group, size, stride, nbytes, calls, overlap, per_layer, what, layers=None):
         if size > 1 and nbytes:
             out.append(CommEntry(phase, op, group, size, _link(size, stride, gpn), int(nbytes), calls, overlap,
-                                 per_layer, what))
+                                 per_layer, what, layers))
 
     if s == "dp":
         out += _grad_sync(n_local, p, layout.dp, 1, gpn, "dp")
     elif s == "fsdp":
         f = layout.fsdp
-        lp = shape.layer_params
         other = shape.embedding_params + shape.lm_head_params + h
-        for per_layer, n_el, what in ((True, lp, "layer weights"), (False, other, "embedding/head weights")):
-            E("forward", "all_gather_into_tensor", "fsdp", f, 1, n_el * a, 1, True, per_layer, what)
-            E("backward", "all_gather_into_tensor", "fsdp", f, 1, n_el * a, 1, True, per_layer, what)
-            E("backward", "reduce_scatter_tensor", "fsdp", f, 1, n_el * p.grad, 1, True, per_layer, what)
+        parts = [(True, shape.moe_layer_params if moe else shape.dense_layer_params,
+                  "MoE layer weights" if moe else "layer weights", None if n == shape.n_layers else n)
+                 for n, moe in shape.layer_kinds()]
+        for per_layer, n_el, what, layers in parts + [(False, other, "embedding/head weights", None)]:
+            E("forward", "all_gather_into_tensor", "fsdp", f, 1, n_el * a, 1, True, per_layer, what, layers)
+            E("backward", "all_gather_into_tensor", "fsdp", f, 1, n_el * a, 1, True, per_layer, what, layers)
+            E("backward", "reduce_scatter_tensor", "fsdp", f, 1, n_el * p.grad, 1, True, per_layer, what, layers)
         out += _grad_sync(n_local, p, layout.gpus // f, f, gpn, "replicate")
     elif s in ("tp", "tp_sp", "tp_x_sp"):
         t = layout.tp
@@ -457,7 +496,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
         E("forward", "all_reduce", "sp", sig, 1, 16, 2, False, False, "loss")
         out += _grad_sync(n_local, p, layout.gpus, 1, gpn, "dp")  # weights replicated over sp x dp
     else:  # tsp
-        out += _tsp_comm(shape, layout, p, B, S, mode)
+        out += _tsp_comm(shape, layout, p, B, S, mode, expert_schedule)
         out += _grad_sync(n_local, p, layout.dp, layout.tsp, gpn, "dp")
     return out
 
@@ -471,6 +510,8 @@ def _comm_time(e: CommEntry, hw: Hardware, n_layers: int) -> float:
         bw, lat = hw.inter_bw, INTER_LATENCY_S
     else:
         bw, lat = (hw.intra_p2p_bw if e.op == "send" else hw.intra_bw), INTRA_LATENCY_S
+    if e.op == "all_to_all":
+        lat = max(lat, ALL_TO_ALL_LATENCY_S)
     return e.occurrences(n_layers) * (e.wire / bw + e.calls * lat)
 
 
@@ -482,10 +523,14 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
     step = max(compute, overlappable comm) + exposed comm   (``overlap=False``: compute + all comm)
     Overlappable: TSP's prefetched weight broadcasts / ring sends / K/V all-gathers, FSDP's prefetched
     all-gathers and reduce-scatters, data-parallel gradient all-reduces. Exposed: TP / TP-SP activation
-    collectives and SP's K/V all-gathers (on the critical path of the next matmul), loss all-reduces.
+    collectives and SP's K/V all-gathers (on the critical path of the next matmul), loss all-reduces, expert
+    dispatch's all-to-alls. TSP on an MoE model runs the expert schedule ``planning.moe`` picks for this layout.
     """
-    mem = memory_breakdown(shape, layout, p, B, S, checkpointing)
-    comm = communication(shape, layout, p, B, S, checkpointing)
+    schedule = None
+    if layout.strategy == "tsp" and shape.is_moe:
+        schedule = tsp_expert_schedule(shape, layout, hw, p, B, S)
+    mem = memory_breakdown(shape, layout, p, B, S, checkpointing, schedule)
+    comm = communication(shape, layout, p, B, S, checkpointing, schedule or "ring")
     tf = training_flops(shape, B, S, checkpointing)
     mp = layout.model_parallel
     flops = {k: tf[k] / mp for k in ("model", "hardware", "hardware_matmul", "hardware_attention")}
@@ -494,6 +539,29 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
                         + flops["hardware_attention"] / hw.attention_flops)
     ov = sum(_comm_time(e, hw, shape.n_layers) for e in comm if e.overlap and overlap)
     ex = sum(_comm_time(e, hw, shape.n_layers) for e in comm if not (e.overlap and overlap))
+    if schedule is not None and layout.tsp > 1:  # host syncs on routing counts: 1 (ring) or 2 (dispatch) per
+        runs = 1 if checkpointing == "none" else 2  # MoE forward, which checkpointing re-runs in backward
+        ex += shape.n_moe_layers * runs * (1 if schedule == "ring" else 2) * HOST_SYNC_S
     step = max(compute_s, ov) + ex
     return Estimate(layout, shape, hw, p, B, S, checkpointing, mem, comm, flops, compute_s, ov, ex, step,
-                    headroom)
+                    headroom, expert_schedule=schedule)
+
+
+def _moe_args(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision) -> dict:
+    """Keyword arguments of ``planning.moe``'s functions for a TSP layout of an MoE model (all but tokens)."""
+    return dict(num_experts=shape.num_experts, hidden_size=shape.hidden_size,
+                intermediate_size=shape.expert_intermediate_size, top_k=shape.experts_per_token,
+                tsp_size=layout.tsp, compute_bytes=p.compute, hardware=hw,
+                link=_link(layout.tsp, 1, layout.gpus_per_node))
+
+
+def tsp_expert_schedule(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: int, S: int) -> str:
+    """The expert schedule (``"ring"`` / ``"dispatch"``) the cost model picks for this TSP layout and batch."""
+    return choose_expert_schedule(tokens=B * S // layout.tsp, **_moe_args(shape, layout, hw, p))
+
+
+def tsp_expert_crossover_seq(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: int) -> int | None:
+    """The sequence length S from which the expert ring beats expert dispatch for this TSP layout and micro-batch
+    (dispatch below it); None when one schedule always wins."""
+    n = crossover_tokens(**_moe_args(shape, layout, hw, p))
+    return None if n is None else -(-n * layout.tsp // B)

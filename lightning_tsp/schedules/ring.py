@@ -46,10 +46,14 @@ def ring_shards(tsp: TSPGroup, local: Tensor) -> Iterator[tuple[int, Tensor]]:
 class RingGradPass:
     """Backward ring with a travelling fp32 gradient accumulator.
 
-    Iterate to get ``(s, shard_s, acc_s)``; add this rank's partial gradient of shard s into ``acc_s`` in place.
-    After the loop ``grad`` holds the complete gradient of this rank's own shard. ``local=None`` moves only the
-    accumulator (for ops whose backward needs no weights, e.g. the embedding).
-    Traffic: D-1 weight hops and D-1 accumulator hops per rank.
+    Iterate to get ``(s, shard_s, part)``; add this rank's partial gradient of shard s into ``part`` (zeros) in
+    place. After the loop ``grad`` holds the complete gradient of this rank's own shard. ``local=None`` moves only
+    the accumulator (for ops whose backward needs no weights, e.g. the embedding).
+
+    Overlap: the accumulator of shard s, carrying the partials of the ranks before this one, travels while this
+    rank computes its own partial of s into ``part``; only then are the two added and sent on. So both the weight
+    hop and the accumulator hop of a step hide behind that step's GEMMs (an accumulator added to in place would
+    have to arrive before the GEMMs start). Traffic: D-1 weight hops and D-1 accumulator hops per rank.
     """
 
     def __init__(self, tsp: TSPGroup, local: Tensor | None, grad_numel: int, device, grad_dtype=torch.float32):
@@ -59,19 +63,21 @@ class RingGradPass:
 
     def __iter__(self) -> Iterator[tuple[int, Tensor | None, Tensor]]:
         d, r = self.tsp.size, self.tsp.rank
-        acc = torch.zeros(self.grad_numel, device=self.device, dtype=self.grad_dtype)
         if d == 1:
-            yield 0, self.local, acc
-            self.grad = acc
+            self.grad = torch.zeros(self.grad_numel, device=self.device, dtype=self.grad_dtype)
+            yield 0, self.local, self.grad
             return
         # Step t works on shard r-1-t, so the weights need one hop before the first step.
         cur = _Shift(self.tsp, self.local).result() if self.local is not None else None
+        incoming: _Shift | None = None  # the left neighbour's accumulator of this step's shard, in flight
         for t in range(d):
             # The last step (t = D-1) is the own shard: no weights need to arrive for it.
             nxt = _Shift(self.tsp, cur) if cur is not None and t + 2 < d else None
-            yield (r - 1 - t) % d, cur, acc
+            part = torch.zeros(self.grad_numel, device=self.device, dtype=self.grad_dtype)
+            yield (r - 1 - t) % d, cur, part
+            acc = part if incoming is None else incoming.result().add_(part)  # the first step starts the sum
             if t + 1 < d:
-                acc = _Shift(self.tsp, acc).result()
+                incoming = _Shift(self.tsp, acc)  # acc travels on while the next shard computes
                 if cur is not None:
                     cur = nxt.result() if nxt is not None else self.local
         self.grad = acc

@@ -1,0 +1,101 @@
+"""GEMMs over rows grouped by expert: one launch for a whole group of experts where the hardware allows.
+
+:class:`ExpertGroups` describes rows [n, ...] sorted by expert: expert j owns rows ``[bounds[j], bounds[j+1])``.
+Its three products cover an expert MLP's forward and backward (``W`` stacked per expert, [G, ., .]):
+
+    nt(a, w)          a_j @ w_j^T     (the projections: x @ W_gate_up^T, act @ W_down^T)
+    nn(a, w)          a_j @ w_j       (input gradients: dy @ W_down, d_gate_up @ W_gate_up)
+    tn_add_(acc, a, b) acc_j += a_j^T @ b_j   (weight gradients, accumulated in fp32)
+
+On CUDA with bf16/fp16 rows they run as ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on older torch):
+one launch per product for all G experts, fp32 output for the gradients. Elsewhere (CPU, fp32/fp64, or where the
+grouped kernel is missing or fails its one-time check) one GEMM per non-empty expert. Both compute the same
+products; only the summation order inside a GEMM may differ.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _grouped_mm():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """The grouped kernel exists here and gives the per-expert products (checked once per device and dtype, with
+    an empty group and a transposed operand, against the loop)."""
+    mm = _grouped_mm()
+    if mm is None or device.type != "cuda" or dtype not in _HALF:
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        sizes = [16, 0, 24]
+        a = torch.randn(40, 32, device=device, generator=g).to(dtype)
+        w = torch.randn(3, 48, 32, device=device, generator=g).to(dtype)
+        b = torch.randn(40, 8, device=device, generator=g).to(dtype)
+        grouped, loop = ExpertGroups(sizes, device, grouped=True), ExpertGroups(sizes, device, grouped=False)
+        acc_g, acc_l = torch.zeros(3, 32, 8, device=device), torch.zeros(3, 32, 8, device=device)
+        grouped.tn_add_(acc_g, a, b)
+        loop.tn_add_(acc_l, a, b)
+        ok = torch.allclose(grouped.nt(a, w).float(), loop.nt(a, w).float(), rtol=2e-2, atol=2e-2)
+        ok &= torch.allclose(grouped.nn(a[:, :32].contiguous(), w[:, :, :32]).float(),
+                             loop.nn(a[:, :32].contiguous(), w[:, :, :32]).float(), rtol=2e-2, atol=2e-2)
+        return bool(ok and torch.allclose(acc_g, acc_l, rtol=2e-2, atol=2e-2))
+    except Exception:  # noqa: BLE001 - any failure means "not available": the per-expert loop is used
+        return False
+
+
+class ExpertGroups:
+    """Rows sorted by expert, G experts: expert j's rows are ``[bounds[j], bounds[j+1])`` (``sizes`` host ints).
+
+    ``grouped=None`` picks the grouped kernel when :func:`grouped_gemm_works` for ``dtype`` on ``device``."""
+
+    def __init__(self, sizes: list[int], device: torch.device, grouped: bool | None = None,
+                 dtype: torch.dtype | None = None):
+        self.bounds = [0]
+        for s in sizes:
+            self.bounds.append(self.bounds[-1] + s)
+        if grouped is None:
+            grouped = dtype is not None and grouped_gemm_works(torch.device(device), dtype)
+        # offsets of the groups' ends on the device (int32), as the grouped kernel takes them
+        self.offs = torch.tensor(self.bounds[1:], dtype=torch.int32, device=device) if grouped else None
+
+    def ranges(self):
+        """(expert j, lo, hi) of every non-empty group."""
+        return ((j, lo, hi) for j, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:])) if hi > lo)
+
+    def nt(self, a: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
+        """a [n, K], w [G, N, K] -> [n, N] (into ``out`` if given, possibly fp32): row block j times w_j^T."""
+        return self._rows(a, w.transpose(1, 2), out)
+
+    def nn(self, a: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
+        """a [n, N], w [G, N, K] -> [n, K]: row block j times w_j."""
+        return self._rows(a, w, out)
+
+    def _rows(self, a: Tensor, b: Tensor, out: Tensor | None) -> Tensor:
+        if self.offs is not None:  # an fp32 ``out`` gets the fp32 product (no rounding to bf16 first)
+            y = _grouped_mm()(a, b, offs=self.offs, out_dtype=None if out is None else out.dtype)
+            return y if out is None else out.copy_(y)
+        if out is None:
+            out = a.new_empty(a.shape[0], b.shape[2])
+        for j, lo, hi in self.ranges():
+            matmul_into(out[lo:hi], a[lo:hi], b[j])
+        return out
+
+    def tn_add_(self, acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        """acc [G, P, Q] (fp32) += per group a_j^T @ b_j, with a [n, P], b [n, Q]."""
+        if self.offs is not None:
+            return acc.add_(_grouped_mm()(a.T, b, offs=self.offs, out_dtype=acc.dtype))
+        for j, lo, hi in self.ranges():
+            add_matmul_(acc[j], a[lo:hi].T, b[lo:hi])
+        return acc
