@@ -40,6 +40,7 @@ from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, all_to_all
 from lightning_tsp.inference.vocab import acc_dtype, embed_tokens, local_logits
 from lightning_tsp.layers.attention import kv_block, project_qkv
+from lightning_tsp.kernels.gemm import matmul_into
 from lightning_tsp.kernels.grouped import ExpertGroups
 from lightning_tsp.layers.moe import TSPMoE, experts_forward
 from lightning_tsp.layers.norm import rms_norm
@@ -146,8 +147,8 @@ def _merge_heads(recv: Tensor, dtype: torch.dtype) -> Tensor:
 
 @_on_cuda_compiled
 def _add_norm(x: Tensor, y: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The residual add and the next RMSNorm: (x + y, rms_norm(x + y))."""
-    x = x + y
+    """The residual add (y in the accumulation dtype, cast here) and the next RMSNorm: (x + y, rms_norm(x + y))."""
+    x = x + y.to(x.dtype)
     return x, rms_norm(x, w, eps)
 
 
@@ -156,11 +157,15 @@ def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _partial_out(a: Tensor, w: Tensor) -> Tensor:
+    """a @ w.T [B, h]: a rank's partial of a sum over the group, in the accumulation dtype (on CUDA cuBLAS writes the
+    fp32 product itself: no cast kernel before the all-reduce, none after it; :func:`_add_norm` casts)."""
+    return matmul_into(a.new_empty(a.shape[0], w.shape[0], dtype=acc_dtype(a.dtype)), a, w.T)
+
+
 def _sum_over_group(y: Tensor, tsp) -> Tensor:
-    """A partial [B, h] summed over the TSP group in (at least) fp32."""
-    if tsp.size == 1:
-        return y
-    return all_reduce_(y.to(acc_dtype(y.dtype)), tsp).to(y.dtype)
+    """A partial [B, h] (accumulation dtype) summed over the TSP group."""
+    return y if tsp.size == 1 else all_reduce_(y, tsp)
 
 
 def attention_decode(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -185,13 +190,13 @@ def attention_decode(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
     o, lse = cache_attention(q_all, k_cache, v_cache, slot_pos)
     send = torch.cat([o, lse.unsqueeze(-1)], dim=-1).view(b, d, nq, hd + 1).transpose(0, 1)  # [D, B, nq, d+1]
     recv = all_to_all(send, tsp)  # row p: rank p's partials for MY heads
-    return _sum_over_group(_merge_heads(recv, x.dtype) @ view.w_o.T, tsp)
+    return _sum_over_group(_partial_out(_merge_heads(recv, x.dtype), view.w_o), tsp)
 
 
 def _mlp_partial(mlp, x: Tensor) -> Tensor:
-    """The owned columns of a dense SwiGLU on x [B, h]: a partial [B, h] of the output."""
+    """The owned columns of a dense SwiGLU on x [B, h]: a partial [B, h] of the output (accumulation dtype)."""
     wg, wu, wd = (local_tensor(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    return _swiglu(x @ wg.T, x @ wu.T) @ wd.T
+    return _partial_out(_swiglu(x @ wg.T, x @ wu.T), wd)
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,7 +206,8 @@ def _equal_groups(m: int, b: int, device: torch.device, dtype: torch.dtype) -> E
 
 
 def _moe_partial(moe, x: Tensor) -> Tensor:
-    """This rank's experts on x [B, h]: the part of the mixture they own, a partial [B, h] of the output.
+    """This rank's experts on x [B, h]: the part of the mixture they own, a partial [B, h] of the output
+    (accumulation dtype).
 
     Routing is the training layer's (:meth:`TSPMoE.route`, replicated, identical on every rank). Every owned expert
     runs on all B tokens (:func:`~lightning_tsp.layers.moe.experts_forward`, one grouped GEMM pair where available;
@@ -222,7 +228,7 @@ def _moe_partial(moe, x: Tensor) -> Tensor:
     y = (comb.T.reshape(m * b, 1) * out).view(m, b, h).sum(0, dtype=acc_dtype(x.dtype))  # [B, h]
     if moe.shared_expert is not None:
         y += _mlp_partial(moe.shared_expert, x)
-    return y.to(x.dtype)
+    return y
 
 
 def mlp_decode(mlp, x: Tensor) -> Tensor:

@@ -324,19 +324,27 @@ def project_qkv(spec: _AttnSpec, view: ShardView, x2: Tensor, norms, b: int, l: 
     then the optional per-head q/k norms. ``with_kv=False`` projects q only (a replica owner: its KV group's K/V
     were projected and exchanged by the group's first owner)."""
     lay = spec.layout
+    nq, nkv = lay.n_heads, lay.n_kv_heads
     if isinstance(view.w_qkv, Tensor):
         rows = lay.qkv_rows if with_kv else lay.q_rows
         w, bias = view.w_qkv[:rows], None if view.b_qkv is None else view.b_qkv[:rows]
         qkv = x2 @ w.T if bias is None else torch.addmm(bias, x2, w.T)
-    else:  # the owner's own q/k/v parameters (decoding: a few tokens, the weights stay where they are)
+        qkv = qkv.view(b, l, -1, lay.head_dim)
+        q_raw = qkv[:, :, :nq]
+        k_raw, v = (qkv[:, :, nq : nq + nkv], qkv[:, :, nq + nkv :]) if with_kv else (None, None)
+    else:  # the owner's own q/k/v parameters (decoding: a few tokens, the weights stay where they are): one GEMM
+        # each, written into consecutive blocks of one buffer (no concatenation)
         n = 3 if with_kv else 1
+        ws = view.w_qkv[:n]
         biases = (None,) * n if view.b_qkv is None else view.b_qkv[:n]
-        qkv = torch.cat([x2 @ w.T if bb is None else torch.addmm(bb, x2, w.T)
-                         for w, bb in zip(view.w_qkv[:n], biases)], dim=-1)
-    qkv = qkv.view(b, l, -1, lay.head_dim)
-    nq, nkv = lay.n_heads, lay.n_kv_heads
-    q_raw = qkv[:, :, :nq]
-    k_raw, v = (qkv[:, :, nq : nq + nkv], qkv[:, :, nq + nkv :]) if with_kv else (None, None)
+        flat = x2.new_empty(x2.shape[0] * sum(w.shape[0] for w in ws))
+        parts, start = [], 0
+        for w, bb in zip(ws, biases):
+            out = flat[start : start + x2.shape[0] * w.shape[0]].view(x2.shape[0], w.shape[0])
+            torch.mm(x2, w.T, out=out) if bb is None else torch.addmm(bb, x2, w.T, out=out)
+            parts.append(out.view(b, l, -1, lay.head_dim))
+            start += out.numel()
+        q_raw, k_raw, v = (parts + [None, None])[:3]
     if not spec.qk_norm:
         return Projection(q_raw, k_raw, q_raw, k_raw, v)
     q = norms[0] * _head_rms(q_raw, spec.eps)[0].to(x2.dtype)
