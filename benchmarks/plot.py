@@ -2,11 +2,14 @@
 
     python -m benchmarks.plot results.jsonl [more.jsonl ...] --out-dir plots/ [--budget-gb 141]
 
+    python -m benchmarks.plot --decode inference.jsonl [hf.jsonl ...] --out-dir plots/
+
 Writes peak_memory.png (peak GB per rank vs sequence length, one line per strategy and layout; OOM rows drawn as
 crosses at the top) and throughput.png (tokens/s per GPU per strategy, grouped by sequence length, with the
 predicted step including communication drawn as a lighter bar when it is slower). Rows of one model
 configuration only (the most frequent one, unless --model/--layers say otherwise); the last row of a
-(strategy, layout, checkpointing, seq) wins.
+(strategy, layout, checkpointing, seq) wins. ``--decode``: decode.png from benchmarks.inference / hf_decode rows
+(batch 1: ms per token vs prompt length per configuration, each with its memory-bandwidth floor dashed).
 """
 
 from __future__ import annotations
@@ -44,9 +47,39 @@ def label(r: dict) -> str:
     return f"{r['strategy']} ({', '.join(parts)})" if parts else r["strategy"]
 
 
+def plot_decode(rows: list[dict], out: Path, plt) -> Path:
+    """ms per token (log) vs prompt length (log2), one line per configuration at batch 1, floors dashed."""
+    rows = [r for r in rows if r.get("status") == "ok" and r.get("decode_s_per_token") and r.get("batch", 1) == 1]
+    series: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        series.setdefault(r["config"], {})[r["prompt_len"]] = r
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, by_len in sorted(series.items()):
+        lens = sorted(by_len)
+        (line,) = ax.plot(lens, [1e3 * by_len[n]["decode_s_per_token"] for n in lens], marker="o", label=name)
+        floors = [(n, 1e3 * by_len[n]["decode_floor_s"]) for n in lens if by_len[n].get("decode_floor_s")]
+        if floors and not name.startswith("Hugging Face"):
+            ax.plot(*zip(*floors), linestyle="--", color=line.get_color(), alpha=0.6, label=f"{name}: floor")
+    lens = sorted({r["prompt_len"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lens, [seq_label(n) for n in lens])
+    ax.set_xlabel("prompt length")
+    ax.set_ylabel("decode ms per token (batch 1)")
+    ax.set_title(f"Decoding, {rows[0].get('model')}, bf16 (dashed: weights + KV cache read once at HBM speed)",
+                 fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "decode.png", dpi=120)
+    plt.close(fig)
+    return out / "decode.png"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("jsonl", nargs="+")
+    ap.add_argument("--decode", action="store_true", help="decode.png from inference / hf_decode rows")
     ap.add_argument("--out-dir", default="plots")
     ap.add_argument("--model")
     ap.add_argument("--layers", type=int)
@@ -58,11 +91,14 @@ def main(argv=None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.decode:
+        print(f"wrote {plot_decode(load(args.jsonl), out, plt)}")
+        return
     rows = select(load(args.jsonl), args.model, args.layers)
     if not rows:
         raise SystemExit("no rows to plot")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     title = f"{rows[0].get('model')} ({rows[0].get('layers')} layers), one rank of {rows[0].get('world')}"
     series: dict[str, list[dict]] = {}
     for r in rows:
