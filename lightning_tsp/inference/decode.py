@@ -41,7 +41,7 @@ from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, a
 from lightning_tsp.inference.vocab import acc_dtype, embed_tokens, local_logits
 from lightning_tsp.layers.attention import kv_block, project_qkv
 from lightning_tsp.kernels.gemm import matmul_into
-from lightning_tsp.kernels.grouped import ExpertGroups
+from lightning_tsp.kernels.grouped import ExpertGroups, grouped_gemm_works
 from lightning_tsp.layers.moe import TSPMoE, experts_forward
 from lightning_tsp.layers.norm import rms_norm
 from lightning_tsp.layers.rope import apply_rope
@@ -207,28 +207,50 @@ def _equal_groups(m: int, b: int, device: torch.device, dtype: torch.dtype) -> E
 
 def _moe_partial(moe, x: Tensor) -> Tensor:
     """This rank's experts on x [B, h]: the part of the mixture they own, a partial [B, h] of the output
-    (accumulation dtype).
+    (accumulation dtype). The shared expert adds its own columns.
 
-    Routing is the training layer's (:meth:`TSPMoE.route`, replicated, identical on every rank). Every owned expert
-    runs on all B tokens (:func:`~lightning_tsp.layers.moe.experts_forward`, one grouped GEMM pair where available;
-    fixed shapes for the CUDA graph) and is weighted by its combination weight, 0 for a token not routed to it.
-    The shared expert adds its own columns."""
+    Routing is the training layer's (:meth:`TSPMoE.route`, replicated, identical on every rank). Where grouped GEMMs
+    run (CUDA, bf16/fp16), the B*k (token, slot) rows are sorted by owned expert on the device and only the routed
+    experts' weights are read (:func:`_routed_rows`); elsewhere every owned expert runs on all B tokens, weighted by
+    its combination weight (0 for a token not routed to it). Both keep fixed shapes and no host synchronisation, so
+    the step stays one CUDA graph, and both run the training layer's :func:`experts_forward`."""
     weights, experts, _ = moe.route(x)  # [B, k]
     w_gu, w_d = (local_tensor(p).to(x.dtype) for p in (moe.experts.gate_up_proj, moe.experts.down_proj))
     m, f = w_d.shape[0], w_d.shape[2]
     b, h = x.shape
-    # combination weight of owned expert j for token b: [B, m] (a token's k experts are distinct)
-    local = experts - moe.tsp.rank * m
+    local = experts - moe.tsp.rank * m  # [B, k] owned expert index, outside [0, m) when routed elsewhere
     mine = (local >= 0) & (local < m)
-    comb = torch.zeros(b, m, dtype=x.dtype, device=x.device)
-    comb.scatter_add_(1, local.clamp(0, m - 1), torch.where(mine, weights, 0))
-    xs = x.unsqueeze(0).expand(m, b, h).reshape(m * b, h)  # expert j's rows: [j B, (j+1) B)
-    gu, out = x.new_empty(m * b, 2 * f), x.new_empty(m * b, h)
-    experts_forward(_equal_groups(m, b, x.device, x.dtype), xs, w_gu, w_d, gu, out)
-    y = (comb.T.reshape(m * b, 1) * out).view(m, b, h).sum(0, dtype=acc_dtype(x.dtype))  # [B, h]
+    if grouped_gemm_works(x.device, x.dtype):
+        y = _routed_rows(x, torch.where(mine, local, m), weights, w_gu, w_d)
+    else:
+        comb = torch.zeros(b, m, dtype=x.dtype, device=x.device)  # combination weight of owned expert j, [B, m]
+        comb.scatter_add_(1, local.clamp(0, m - 1), torch.where(mine, weights, 0))  # a token's k experts differ
+        xs = x.unsqueeze(0).expand(m, b, h).reshape(m * b, h)  # expert j's rows: [j B, (j+1) B)
+        gu, out = x.new_empty(m * b, 2 * f), x.new_empty(m * b, h)
+        experts_forward(_equal_groups(m, b, x.device, x.dtype), xs, w_gu, w_d, gu, out)
+        y = (comb.T.reshape(m * b, 1) * out).view(m, b, h).sum(0, dtype=acc_dtype(x.dtype))  # [B, h]
     if moe.shared_expert is not None:
         y += _mlp_partial(moe.shared_expert, x)
     return y
+
+
+def _routed_rows(x: Tensor, key: Tensor, weights: Tensor, w_gu: Tensor, w_d: Tensor) -> Tensor:
+    """x [B, h] through the owned experts it is routed to: ``key`` [B, k] owned expert of each (token, slot), m
+    where the slot's expert lives on another rank. Rows sorted by key on the device; the grouped GEMMs cover the
+    owned experts' rows only (the others, sorted last, are past the groups' end, then masked), so an expert no row
+    is routed to is not read. Combined per token in slot order (deterministic)."""
+    b, k = key.shape
+    m, h, f = w_d.shape
+    order = torch.argsort(key.reshape(-1), stable=True)  # [B*k] sorted row -> (token, slot)
+    counts = torch.zeros(m + 1, dtype=torch.int64, device=x.device)  # not bincount: it syncs the host on CUDA
+    counts.scatter_add_(0, key.reshape(-1), torch.ones_like(key.reshape(-1)))
+    offs = counts[:m].cumsum(0).to(torch.int32)
+    gu, out = x.new_empty(b * k, 2 * f), torch.empty(b * k, h, dtype=acc_dtype(x.dtype), device=x.device)
+    experts_forward(ExpertGroups.from_device_offsets(offs), x[order // k], w_gu, w_d, gu, out)
+    owned = torch.arange(b * k, device=x.device) < offs[-1]  # rows routed to this rank's experts
+    rows = torch.zeros_like(out)
+    rows[order] = torch.where(owned[:, None], out * weights.reshape(-1)[order, None], 0)
+    return rows.view(b, k, h).sum(1)
 
 
 def mlp_decode(mlp, x: Tensor) -> Tensor:

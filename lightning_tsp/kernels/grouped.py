@@ -8,7 +8,8 @@ Its three products cover an expert MLP's forward and backward (``W`` stacked per
     tn_add_(acc, a, b) acc_j += a_j^T @ b_j   (weight gradients, accumulated in fp32)
 
 On CUDA with bf16/fp16 rows they run as ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on older torch):
-one launch per product for all G experts, fp32 output for the gradients. Elsewhere (CPU, fp32/fp64, or where the
+one launch per product for all G experts. Weight gradients accumulate in fp32: in one launch where the kernel can
+write fp32 output, else one GEMM per expert with an fp32 epilogue (torch 2.11's grouped kernel writes bf16 only). Elsewhere (CPU, fp32/fp64, or where the
 grouped kernel is missing or fails its one-time check) one GEMM per non-empty expert. Both compute the same
 products; only the summation order inside a GEMM may differ.
 """
@@ -31,28 +32,39 @@ def _grouped_mm():
 
 
 @functools.lru_cache(maxsize=None)
-def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """The grouped kernel exists here and gives the per-expert products (checked once per device and dtype, with
-    an empty group and a transposed operand, against the loop)."""
+def _support(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
+    """(the grouped kernel gives the per-expert products here, it can also write fp32 output), checked once per
+    device and dtype against the loop, with an empty group. torch 2.11 runs bf16 x bf16 -> bf16 only."""
     mm = _grouped_mm()
     if mm is None or device.type != "cuda" or dtype not in _HALF:
-        return False
+        return False, False
+    g = torch.Generator(device=device).manual_seed(0)
+    sizes = [16, 0, 24]
+    a = torch.randn(40, 32, device=device, generator=g).to(dtype)
+    c = torch.randn(40, 48, device=device, generator=g).to(dtype)
+    w = torch.randn(3, 48, 32, device=device, generator=g).to(dtype)
+    grouped, loop = ExpertGroups(sizes, device, grouped=True), ExpertGroups(sizes, device, grouped=False)
+    grouped.fp32_out = False
     try:
-        g = torch.Generator(device=device).manual_seed(0)
-        sizes = [16, 0, 24]
-        a = torch.randn(40, 32, device=device, generator=g).to(dtype)
-        w = torch.randn(3, 48, 32, device=device, generator=g).to(dtype)
-        b = torch.randn(40, 8, device=device, generator=g).to(dtype)
-        grouped, loop = ExpertGroups(sizes, device, grouped=True), ExpertGroups(sizes, device, grouped=False)
-        acc_g, acc_l = torch.zeros(3, 32, 8, device=device), torch.zeros(3, 32, 8, device=device)
-        grouped.tn_add_(acc_g, a, b)
-        loop.tn_add_(acc_l, a, b)
         ok = torch.allclose(grouped.nt(a, w).float(), loop.nt(a, w).float(), rtol=2e-2, atol=2e-2)
-        ok &= torch.allclose(grouped.nn(a[:, :32].contiguous(), w[:, :, :32]).float(),
-                             loop.nn(a[:, :32].contiguous(), w[:, :, :32]).float(), rtol=2e-2, atol=2e-2)
-        return bool(ok and torch.allclose(acc_g, acc_l, rtol=2e-2, atol=2e-2))
+        ok &= torch.allclose(grouped.nn(c, w).float(), loop.nn(c, w).float(), rtol=2e-2, atol=2e-2)
     except Exception:  # noqa: BLE001 - any failure means "not available": the per-expert loop is used
-        return False
+        return False, False
+    try:
+        acc_g, acc_l = torch.zeros(3, 32, 48, device=device), torch.zeros(3, 32, 48, device=device)
+        mm(a.T, c, offs=grouped.offs, out_dtype=torch.float32)
+        grouped.fp32_out = True
+        grouped.tn_add_(acc_g, a, c)
+        loop.tn_add_(acc_l, a, c)
+        fp32 = bool(torch.allclose(acc_g, acc_l, rtol=2e-2, atol=2e-2))
+    except Exception:  # noqa: BLE001 - no fp32 output: weight gradients take the loop (fp32 epilogue)
+        fp32 = False
+    return bool(ok), fp32
+
+
+def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """The grouped kernel runs the expert products for ``dtype`` rows on ``device``."""
+    return _support(torch.device(device), dtype)[0]
 
 
 class ExpertGroups:
@@ -66,9 +78,20 @@ class ExpertGroups:
         for s in sizes:
             self.bounds.append(self.bounds[-1] + s)
         if grouped is None:
-            grouped = dtype is not None and grouped_gemm_works(torch.device(device), dtype)
+            grouped = dtype is not None and grouped_gemm_works(device, dtype)
         # offsets of the groups' ends on the device (int32), as the grouped kernel takes them
         self.offs = torch.tensor(self.bounds[1:], dtype=torch.int32, device=device) if grouped else None
+        # the kernel writes fp32 (weight gradients in one launch); else they take the loop's fp32 epilogue
+        self.fp32_out = bool(grouped) and dtype is not None and _support(torch.device(device), dtype)[1]
+
+    @classmethod
+    def from_device_offsets(cls, offs: Tensor) -> "ExpertGroups":
+        """Groups whose row counts live on the device only (``offs`` [G] int32, the groups' ends, as
+        ``cumsum(counts)``): no host synchronisation, so a CUDA graph can hold it; grouped kernels only. Rows past
+        ``offs[-1]`` belong to no group: the products leave them unwritten."""
+        groups = cls.__new__(cls)
+        groups.bounds, groups.offs, groups.fp32_out = None, offs, False
+        return groups
 
     def ranges(self):
         """(expert j, lo, hi) of every non-empty group."""
@@ -83,8 +106,9 @@ class ExpertGroups:
         return self._rows(a, w, out)
 
     def _rows(self, a: Tensor, b: Tensor, out: Tensor | None) -> Tensor:
-        if self.offs is not None:  # an fp32 ``out`` gets the fp32 product (no rounding to bf16 first)
-            y = _grouped_mm()(a, b, offs=self.offs, out_dtype=None if out is None else out.dtype)
+        if self.offs is not None:  # an fp32 ``out`` gets the fp32 product where the kernel can write it
+            wide = out is not None and out.dtype != a.dtype and self.fp32_out
+            y = _grouped_mm()(a, b, offs=self.offs, out_dtype=out.dtype if wide else None)
             return y if out is None else out.copy_(y)
         if out is None:
             out = a.new_empty(a.shape[0], b.shape[2])
@@ -93,9 +117,10 @@ class ExpertGroups:
         return out
 
     def tn_add_(self, acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        """acc [G, P, Q] (fp32) += per group a_j^T @ b_j, with a [n, P], b [n, Q]."""
-        if self.offs is not None:
-            return acc.add_(_grouped_mm()(a.T, b, offs=self.offs, out_dtype=acc.dtype))
+        """acc [G, P, Q] (fp32) += per group a_j^T @ b_j, with a [n, P], b [n, Q]: one grouped launch where the
+        kernel writes fp32, else one GEMM per expert with an fp32 epilogue (never a bf16-rounded gradient)."""
+        if self.offs is not None and (self.fp32_out or acc.dtype == a.dtype):
+            return acc.add_(_grouped_mm()(a.T, b, offs=self.offs, out_dtype=acc.dtype if self.fp32_out else None))
         for j, lo, hi in self.ranges():
             add_matmul_(acc[j], a[lo:hi].T, b[lo:hi])
         return acc
