@@ -157,7 +157,11 @@ def test_ring_bytes_fixed_dispatch_bytes_linear(model, D):
 def test_choice_flips_at_the_crossover(model, D, training):
     kw = dict(ARGS[model], tsp_size=D, training=training)
     n = crossover_tokens(**kw)
-    assert n is not None and n > 1
+    if n is None:  # the ring from the first token: dispatch's measured per-pass cost exceeds the experts' transfer
+        assert model == "qwen3" and (D < 8 or not training), (model, D, training)
+        assert choose_expert_schedule(**kw, tokens=1) == choose_expert_schedule(**kw, tokens=10**6) == "ring"
+        return
+    assert n > 1
     assert choose_expert_schedule(**kw, tokens=n - 1) == "dispatch"
     assert choose_expert_schedule(**kw, tokens=n) == "ring"
     assert choose_expert_schedule(**kw, tokens=1) == "dispatch"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Hardware", "HARDWARE_PRESETS", "get_hardware", "GiB", "GB", "INTRA_LATENCY_S", "INTER_LATENCY_S",
-           "ALL_TO_ALL_LATENCY_S", "HOST_SYNC_S"]
+           "ALL_TO_ALL_LATENCY_S", "HOST_SYNC_S", "DISPATCH_PASS_S"]
 
 GiB = 2**30
 GB = 10**9
@@ -24,6 +24,11 @@ INTER_LATENCY_S = 25e-6  # the same across nodes
 ALL_TO_ALL_LATENCY_S = 25e-6  # one variable-size all_to_all_single (NCCL: grouped sends/recvs to D-1 peers)
 HOST_SYNC_S = 50e-6  # one device-to-host read the host waits for (.tolist() of routing counts): the copy plus
 #                      the bubble while the host, no longer ahead of the GPU, launches the next kernels
+# MEASURED (H200, torch 2.11, fake process group, docs/benchmarks.md "Mixture of experts"): expert dispatch's
+# compute-only step exceeded the expert ring's by 10.4 ms (Mixtral-8x7B) and 11.3 ms (Qwen3-30B-A3B, grouped GEMMs)
+# per MoE layer at 32K with full checkpointing: forward + recomputed forward + backward = 4 units of the row
+# sorting, gathers, count exchange and host syncs dispatch adds per pass (a backward pass counts twice).
+DISPATCH_PASS_S = 2.7e-3
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ dispatch  routed rows go to the experts' owners by variable-size all-to-alls, we
           bytes sent   forward  (D-1)/D * (E*8 + N*k*h*(a + acc))   E int64 counts, rows out, outputs back
                        backward (D-1)/D * N*k*(h+1)*(a + acc)       [dy | weight] out, [dx | d weight] back
           time         compute + bytes / all-to-all bandwidth + 3 (+2) all-to-all latencies + 2 host syncs
+                       + DISPATCH_PASS_S per pass (forward 1, backward 2: measured row handling, hardware.py)
 compute   forward 6*N*k*F*h FLOPs (gate|up GEMM 4NkFh, down 2NkFh), backward twice that; routing assumed balanced.
 
 Ring time is compute plus a constant that shrinks as N grows; dispatch's is compute plus a term growing with N:
@@ -25,8 +26,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .hardware import (ALL_TO_ALL_LATENCY_S, HOST_SYNC_S, INTER_LATENCY_S, INTRA_LATENCY_S, Hardware,
-                       get_hardware)
+from .hardware import (ALL_TO_ALL_LATENCY_S, DISPATCH_PASS_S, HOST_SYNC_S, INTER_LATENCY_S, INTRA_LATENCY_S,
+                       Hardware, get_hardware)
 
 __all__ = ["EXPERT_SCHEDULES", "expert_schedule_costs", "choose_expert_schedule", "crossover_tokens"]
 
@@ -87,6 +88,7 @@ def expert_schedule_costs(*, num_experts: int, hidden_size: int, intermediate_si
         "bytes_forward": hops * M * a,
         "bytes_backward": hops * M * (a + acc) if training else 0,
         "compute_s": c_fwd + c_bwd,
+        "overhead_s": 0.0,
         "comm_s": hops * (x_w + (x_w + x_acc if training else 0.0)) + HOST_SYNC_S,
         "time_s": ring_fwd + ring_bwd,
     }
@@ -97,12 +99,15 @@ def expert_schedule_costs(*, num_experts: int, hidden_size: int, intermediate_si
     b_bwd = out * rows * (h + 1) * (a + acc) if training else 0.0
     calls = (3 + (2 if training else 0)) if D > 1 else 0
     comm = (b_fwd + b_bwd) / a2a_bw + calls * a2a_lat + 2 * HOST_SYNC_S
+    # the rows' sorting, gathers and scatters and the count exchange's host syncs (measured, hardware.py)
+    extra = DISPATCH_PASS_S * (3 if training else 1) if D > 1 else 0.0
     dispatch = {
         "bytes_forward": b_fwd,
         "bytes_backward": b_bwd,
         "compute_s": c_fwd + c_bwd,
+        "overhead_s": extra,
         "comm_s": comm,
-        "time_s": c_fwd + c_bwd + comm,
+        "time_s": c_fwd + c_bwd + extra + comm,
     }
     return {"ring": ring, "dispatch": dispatch}
 
