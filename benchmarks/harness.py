@@ -294,6 +294,11 @@ def finalize(row: dict) -> dict:
     if row.get("status") == "ok" and step:
         row["tokens_per_s_per_gpu"] = tokens / row["world"] / step
         row["model_tflops_per_gpu"] = row["model_flops_per_gpu"] / step / 1e12
+        from lightning_tsp.planning import get_hardware
+
+        hw = get_hardware(row.get("hardware", "h200"))  # MFU against the dense bf16 peak and the measured GEMM rate
+        row["mfu_peak"] = row["model_tflops_per_gpu"] / hw.peak_bf16_tflops
+        row["mfu_gemm"] = row["model_tflops_per_gpu"] * 1e12 / hw.sustained_flops
         if row.get("pred_comm_s") is not None:
             ov, ex = row["pred_comm_overlappable_s"], row["pred_comm_exposed_s"]
             row["pred_step_with_comm_s"] = max(step, ov) + ex
@@ -316,7 +321,7 @@ def finalize(row: dict) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     head = ["strategy", "layout", "seq", "peak GB", "step s", "tokens/s per GPU", "model TFLOP/s",
-            "predicted comm s (overlappable + exposed)", "step with comm s", "anchor GB / s", "command"]
+            "MFU (peak / GEMM rate)", "predicted comm s (overlappable + exposed)", "step with comm s", "anchor GB / s", "command"]
     cells = []
     for r in rows:
         st = r.get("status")
@@ -341,7 +346,8 @@ def format_table(rows: list[dict]) -> str:
                 anchor += f" ({r['anchor_peak_dev']:+.0%} / {r.get('anchor_step_dev', 0):+.0%})"
         cells.append([
             r["strategy"], r.get("layout") or "", seq_label(r["seq_len"]), peak_s, fmt(r.get("step_s"), ".3f"),
-            fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt(r.get("model_tflops_per_gpu"), ".0f"), comm,
+            fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt(r.get("model_tflops_per_gpu"), ".0f"),
+            "" if r.get("mfu_peak") is None else f"{r['mfu_peak']:.0%} / {r['mfu_gemm']:.0%}", comm,
             fmt(r.get("pred_step_with_comm_s"), ".3f"), anchor, f"`{r['command']}`",
         ])
     r0 = rows[0] if rows else {}
@@ -349,7 +355,8 @@ def format_table(rows: list[dict]) -> str:
         f"One GPU ({r0.get('device', '?')}, torch {r0.get('torch', '?')}) plays rank {r0.get('rank', 0)} of the group; "
         f"excluded: {EXCLUDED}. Predicted comm: {r0.get('comm_model', 'n/a')} (overlappable traffic can hide behind "
         "compute, exposed traffic adds to the step; 'step with comm' = max(step, overlappable) + exposed). "
-        "Model TFLOP/s counts 6 x params x tokens + causal attention exactly, not recompute. Peak = "
+        "Model TFLOP/s counts 6 x params x tokens + causal attention exactly, not recompute; MFU divides it by the "
+        "hardware preset's dense bf16 peak and by its measured GEMM rate. Peak = "
         "torch.cuda.max_memory_allocated / 1e9.")
 
 
