@@ -374,16 +374,17 @@ def load_balancing_loss(stats: Tensor, rows: int, tsp: TSPGroup) -> Tensor:
 
 
 class TSPMoE(nn.Module):
-    """Mixture-of-experts SwiGLU MLP under TSP: top-k router, E experts on the expert ring, optional shared expert.
+    """Mixture-of-experts SwiGLU MLP under TSP: top-k router, E experts (E/D per rank), optional shared expert.
 
     ``gating``: ``"mixtral"`` (softmax over the top-k logits) or ``"qwen3"`` (softmax over all E logits, then
     top-k, renormalised to sum 1 iff ``norm_topk_prob``; Qwen3-MoE with ``norm_topk_prob=True`` is the same
     function as Mixtral). No capacity limit, no token dropping, no router jitter. ``forward`` returns
-    ``(y, aux_loss)``: the layer's load-balancing loss (not yet scaled by a coefficient).
+    ``(y, router_stats)``: this rank's routing statistics, from which the model forms the load-balancing loss.
 
-    ``schedule``: ``"ring"`` (:class:`RingExperts`: expert weights circulate, tokens stay) or ``"dispatch"``
-    (:class:`DispatchExperts`: routed token rows go to the experts' owners by all-to-all, weights stay). Both
-    compute the same function with the same per-row arithmetic and combination order.
+    ``schedule``: ``"ring"`` (:class:`RingExperts`: expert weights circulate, tokens stay), ``"dispatch"``
+    (:class:`DispatchExperts`: routed token rows go to the experts' owners by all-to-all, weights stay) or
+    ``"auto"`` (the cost model's pick per call). All compute the same function with the same per-row arithmetic and
+    combination order.
     """
 
     tsp_shard_dims: dict[str, int] = {}  # the router is replicated; experts / shared_expert declare their own
