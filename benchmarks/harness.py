@@ -321,7 +321,8 @@ def finalize(row: dict) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     head = ["strategy", "layout", "seq", "peak GB", "step s", "tokens/s per GPU", "model TFLOP/s",
-            "MFU (peak / GEMM rate)", "predicted comm s (overlappable + exposed)", "step with comm s", "anchor GB / s", "command"]
+            "MFU (peak / GEMM rate)", "predicted comm s (overlappable + exposed)", "step with comm s", "anchor GB / s",
+            "command"]
     cells = []
     for r in rows:
         st = r.get("status")

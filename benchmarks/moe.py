@@ -123,12 +123,9 @@ def unsupported(cfg, d: int) -> str | None:
 
 def build_ep_tpsp(setup):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
 
-    from benchmarks.baselines.common import (Runner, apply_checkpointing, autocast_ctx, cross_entropy_sum,
-                                             make_batch, make_optimizer, n_valid, scalar)
-    from benchmarks.baselines.model import materialize, new_model
-    from benchmarks.baselines.tp import apply_tp
+    from benchmarks.baselines.model import new_model
+    from benchmarks.baselines.tp import apply_tp, tp_runner
 
     cfg, d = setup.cfg, setup.world
     mesh = init_device_mesh(torch.device(setup.device).type, (d,), mesh_dim_names=("tp",))
@@ -139,22 +136,7 @@ def build_ep_tpsp(setup):
         block.feed_forward = EPMoE(TSPMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
                                           cfg.num_experts_per_tok, tsp, cfg.moe_gating, cfg.norm_topk_prob,
                                           cfg.shared_expert_intermediate_size, device="meta", schedule="dispatch"))
-    apply_checkpointing(model, setup.checkpointing)
-    materialize(model, setup, None)
-    opt = make_optimizer(model.parameters(), setup)
-    ids, targets = (t.to(setup.device) for t in make_batch(setup))
-    positions, denom = torch.arange(setup.seq_len, device=setup.device), n_valid(targets)
-
-    def forward_backward():  # as baselines/tp.py
-        with autocast_ctx(setup):
-            logits = model(ids, positions)
-            with loss_parallel():
-                loss = cross_entropy_sum(logits, targets) / denom
-        with loss_parallel():
-            loss.backward()
-        return scalar(loss.detach())
-
-    return Runner(model, opt, forward_backward, f"TP-SP + EP, D={d}")
+    return tp_runner(model, setup, None, f"TP-SP + EP, D={d}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -17,7 +17,8 @@ def check_seq_len(seq_len: int, tsp_size: int) -> None:
 
 
 def check_model_shape(
-    *, tsp_size: int, n_heads: int, n_kv_heads: int, hidden_size: int, intermediate_size: int, vocab_size: int
+    *, tsp_size: int, n_heads: int, n_kv_heads: int, hidden_size: int, intermediate_size: int | None,
+    vocab_size: int
 ) -> None:
     d = tsp_size
     if d < 1:
@@ -35,7 +36,7 @@ def check_model_shape(
             f"heads than ranks, a copy of one (D a multiple of n_kv_heads). Choose a tsp_size that divides "
             f"{n_kv_heads} or is a multiple of it."
         )
-    if intermediate_size % d != 0:
+    if intermediate_size is not None and intermediate_size % d != 0:  # None: no dense MLP layer
         raise TSPConfigError(
             f"intermediate_size={intermediate_size} is not divisible by tsp_size={d}: the ring schedule gives each "
             f"rank intermediate_size/D MLP columns. Choose a tsp_size that divides {intermediate_size}."

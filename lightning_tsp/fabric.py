@@ -109,11 +109,7 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._tsp_size_arg: SizeArg = tsp_size
-        self._dp_size_arg: SizeArg = data_parallel_size
-        self._grad_bucket_bytes = int(grad_bucket_mb * 2**20)
-        self._averager: Optional[sharding.GradientAverager] = None
-        self._replicas: dict[nn.Parameter, int] = {}
+        self._init_tsp_state(tsp_size, data_parallel_size, grad_bucket_mb)
         self._backward_sync_control = _TSPBackwardSyncControl(self)
 
     def __repr__(self) -> str:

@@ -137,9 +137,10 @@ class TSPMeshMixin:
     """The ("data_parallel", "tsp") topology and groups of a Lightning strategy: one implementation for the Trainer's
     ``TSPStrategy`` and Fabric's ``TSPFabricStrategy``.
 
-    The host (a subclass of Lightning's ``ModelParallelStrategy``) sets ``_tsp_size_arg`` / ``_dp_size_arg`` and
-    names its front end in ``_frontend`` ("Trainer" / "Fabric") for the messages; it provides ``num_processes``,
-    ``num_nodes``, ``root_device`` and ``_setup_distributed``.
+    The host (a subclass of Lightning's ``ModelParallelStrategy``) calls :meth:`_check_size_args` before and
+    :meth:`_init_tsp_state` after its ``super().__init__``, and names its front end in ``_frontend`` ("Trainer" /
+    "Fabric") for the messages; it provides ``num_processes``, ``num_nodes``, ``root_device`` and
+    ``_setup_distributed``.
     """
 
     _frontend = "Trainer"
@@ -154,6 +155,14 @@ class TSPMeshMixin:
                 raise TSPConfigError(f"{name}={value!r} must be a positive integer or 'auto'")
         if grad_bucket_mb <= 0:
             raise TSPConfigError(f"grad_bucket_mb={grad_bucket_mb} must be > 0")
+
+    def _init_tsp_state(self, tsp_size: SizeArg, data_parallel_size: SizeArg, grad_bucket_mb: float) -> None:
+        """The constructor arguments and the state both strategies keep (gradient averaging, replicated KV heads)."""
+        self._tsp_size_arg: SizeArg = tsp_size
+        self._dp_size_arg: SizeArg = data_parallel_size
+        self._grad_bucket_bytes = int(grad_bucket_mb * 2**20)
+        self._averager = None  # sharding.GradientAverager, made in setup
+        self._replicas: dict = {}  # parameters holding one copy of a replicated KV head -> copies
 
     def _resolve_topology(self) -> Topology:
         devices = self.num_processes

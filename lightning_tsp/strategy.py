@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch import Tensor
 from typing_extensions import override
 
@@ -184,12 +183,8 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._tsp_size_arg: SizeArg = tsp_size
-        self._dp_size_arg: SizeArg = data_parallel_size
-        self._grad_bucket_bytes = int(grad_bucket_mb * 2**20)
-        self._averager: Optional[sharding.GradientAverager] = None
+        self._init_tsp_state(tsp_size, data_parallel_size, grad_bucket_mb)
         self._grad_sync_blocked = False
-        self._replicas: dict[nn.Parameter, int] = {}  # parameters holding one copy of a replicated KV head
 
     def __repr__(self) -> str:
         # pytorch_lightning.Trainer(strategy=TSPStrategy()) prints this in its "invalid strategy" error.

@@ -103,8 +103,7 @@ def test_builtin_moe_config_and_errors():
         get_config("tiny-moe", expert_schedule="fast")
     with pytest.raises(TSPConfigError, match="dense_layers"):
         get_config("tiny-moe", dense_layers=(5,))
-    with pytest.raises(TSPConfigError, match="num_experts=4 is not divisible by tsp_size=3"):
-        from lightning_tsp.checks import check_model_shape  # noqa: F401  (the model checks before any collective)
+    with pytest.raises(TSPConfigError, match="num_experts=4 is not divisible by tsp_size=3"):  # before any collective
         TSPLlama(get_config("tiny-moe", n_heads=6, n_kv_heads=3, hidden_size=48, vocab_size=255),
                  TSPGroup(group=None, rank=0, size=3), device="meta")
 

@@ -76,6 +76,12 @@ def build(setup: Setup, full_state: dict | None = None) -> Runner:
     mesh = init_device_mesh(torch.device(setup.device).type, (t,), mesh_dim_names=("tp",))
     model = new_model(setup, full_state)
     apply_tp(model, mesh, sequence_parallel=sp)
+    return tp_runner(model, setup, full_state, f"T={t}" + (" SP" if sp else ""))
+
+
+def tp_runner(model: Transformer, setup: Setup, full_state: dict | None, layout: str) -> Runner:
+    """A TP-parallelised model's training step: checkpointing, materialised weights, optimizer, batch, vocab-parallel
+    loss (also used by benchmarks.moe's TP-SP + expert-parallel rival)."""
     apply_checkpointing(model, setup.checkpointing)
     materialize(model, setup, full_state)
     opt = make_optimizer(model.parameters(), setup)
@@ -93,5 +99,4 @@ def build(setup: Setup, full_state: dict | None = None) -> Runner:
             loss.backward()
         return scalar(loss.detach())
 
-    layout = f"T={t}" + (" SP" if sp else "")
     return Runner(model, opt, forward_backward, layout)

@@ -1,7 +1,8 @@
 """Hugging Face Llama-family causal LMs under TSP: config mapping, the conversion plan, sharded weight loading.
 
 Supported (exact classes): ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM`` and the mixtures of experts ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``. :func:`convert_hf_causal_lm` turns one into an unsharded :class:`TSPCausalLM` with the same
+``Qwen3ForCausalLM`` and the mixtures of experts ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``.
+:func:`convert_hf_causal_lm` turns one into an unsharded :class:`TSPCausalLM` with the same
 parameters (the same tensors, not a copy; on the meta device if the Hugging Face model was), which
 :class:`~lightning_tsp.strategy.TSPStrategy` then shards. Everything TSP cannot compute exactly is rejected with a
 :class:`~lightning_tsp.checks.TSPConfigError` (see docs/converting.md); any other ``PreTrainedModel`` found in a
@@ -137,7 +138,8 @@ def _moe_fields(hf_config: Any, model_type: str) -> dict[str, Any]:
     jitter = float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0)
     if jitter > 0:
         raise TSPConfigError(
-            f"router_jitter_noise={jitter}: the TSP router has no jitter (it changes the routing randomly in training). "
+            f"router_jitter_noise={jitter}: the TSP router has no jitter (it changes the routing randomly in "
+            f"training). "
             f"Set config.router_jitter_noise=0.0 before converting the model."
         )
     n_layers = _get(hf_config, "num_hidden_layers")
@@ -327,9 +329,9 @@ class TSPCausalLM(TSPLlama):
                 if self.cfg.num_experts and self.cfg.router_aux_loss_coef and not bool(mask.all()):
                     raise TSPConfigError(
                         "attention_mask with padding and router_aux_loss_coef="
-                        f"{self.cfg.router_aux_loss_coef}: the TSP load-balancing loss counts every token (Hugging Face "
-                        "leaves padding out). Pack documents into full sequences (position_ids) or use equal-length "
-                        "sequences, or set router_aux_loss_coef=0."
+                        f"{self.cfg.router_aux_loss_coef}: the TSP load-balancing loss counts every token (Hugging "
+                        "Face leaves padding out). Pack documents into full sequences (position_ids) or use "
+                        "equal-length sequences, or set router_aux_loss_coef=0."
                     )
                 labels = labels.masked_fill(~mask, IGNORE_INDEX)
             self._check_runtime(input_ids.shape[1])

@@ -9,9 +9,9 @@ Its three products cover an expert MLP's forward and backward (``W`` stacked per
 
 On CUDA with bf16/fp16 rows they run as ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on older torch):
 one launch per product for all G experts. Weight gradients accumulate in fp32: in one launch where the kernel can
-write fp32 output, else one GEMM per expert with an fp32 epilogue (torch 2.11's grouped kernel writes bf16 only). Elsewhere (CPU, fp32/fp64, or where the
-grouped kernel is missing or fails its one-time check) one GEMM per non-empty expert. Both compute the same
-products; only the summation order inside a GEMM may differ.
+write fp32 output, else one GEMM per expert with an fp32 epilogue (torch 2.11's grouped kernel writes bf16 only).
+Elsewhere (CPU, fp32/fp64, or where the grouped kernel is missing or fails its one-time check) one GEMM per
+non-empty expert. Both compute the same products; only the summation order inside a GEMM may differ.
 """
 
 from __future__ import annotations
@@ -73,14 +73,18 @@ class ExpertGroups:
     ``grouped=None`` picks the grouped kernel when :func:`grouped_gemm_works` for ``dtype`` on ``device``."""
 
     def __init__(self, sizes: list[int], device: torch.device, grouped: bool | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, counts: Tensor | None = None):
         self.bounds = [0]
         for s in sizes:
             self.bounds.append(self.bounds[-1] + s)
         if grouped is None:
             grouped = dtype is not None and grouped_gemm_works(device, dtype)
-        # offsets of the groups' ends on the device (int32), as the grouped kernel takes them
-        self.offs = torch.tensor(self.bounds[1:], dtype=torch.int32, device=device) if grouped else None
+        # offsets of the groups' ends on the device (int32), as the grouped kernel takes them: from ``counts`` (the
+        # same sizes already on the device: no host-to-device copy, which would wait for the stream) if given
+        self.offs = None
+        if grouped:
+            self.offs = (counts.cumsum(0).to(torch.int32) if counts is not None
+                         else torch.tensor(self.bounds[1:], dtype=torch.int32, device=device))
         # the kernel writes fp32 (weight gradients in one launch); else they take the loop's fp32 epilogue
         self.fp32_out = bool(grouped) and dtype is not None and _support(torch.device(device), dtype)[1]
 

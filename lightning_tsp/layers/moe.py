@@ -55,18 +55,20 @@ SCHEDULES = ("ring", "dispatch", "auto")  # "auto": the cost model picks per cal
 # ---- shared by both expert schedules: routing rows, one expert's forward/backward, the combination -------------
 
 
-def sort_rows(experts: Tensor, weights: Tensor, num_experts: int) -> tuple[Tensor, list[int], Tensor, Tensor]:
+def sort_rows(experts: Tensor, weights: Tensor, num_experts: int
+              ) -> tuple[Tensor, list[int], Tensor, Tensor, Tensor]:
     """Sort this rank's N*k (token, slot) rows by global expert once per layer.
 
     Returns ``order`` [N*k] (sorted row -> (token, slot) index), ``bounds`` (E+1 host ints: expert e's rows are
-    ``[bounds[e], bounds[e+1])``; one host sync), ``tok`` [N*k] (token of each sorted row) and ``w_rows``
-    [N*k, 1] (combination weight of each sorted row).
+    ``[bounds[e], bounds[e+1])``; one host sync), ``tok`` [N*k] (token of each sorted row), ``w_rows``
+    [N*k, 1] (combination weight of each sorted row) and ``counts`` [E] (rows per expert, on the device).
     """
     k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    bounds = [0] + torch.bincount(flat, minlength=num_experts).cumsum(0).tolist()
-    return order, bounds, order // k, weights.reshape(-1)[order].unsqueeze(1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    bounds = [0] + counts.cumsum(0).tolist()
+    return order, bounds, order // k, weights.reshape(-1)[order].unsqueeze(1), counts
 
 
 def experts_forward(groups: ExpertGroups, xs: Tensor, w_gu: Tensor, w_d: Tensor, gu_out: Tensor,
@@ -103,10 +105,11 @@ def experts_backward(groups: ExpertGroups, xs: Tensor, dys: Tensor, ws: Tensor, 
     groups.tn_add_(acc_d, dys * ws, hid)  # [G, h, F]
 
 
-def shard_groups(bounds: list[int], first: int, m: int, like: Tensor) -> ExpertGroups:
-    """The rows of experts ``[first, first + m)`` (``bounds`` of the sorted rows), as groups starting at row 0."""
+def shard_groups(bounds: list[int], counts: Tensor, first: int, m: int, like: Tensor) -> ExpertGroups:
+    """The rows of experts ``[first, first + m)`` (``bounds`` of the sorted rows on the host, ``counts`` per expert
+    on the device), as groups starting at row 0."""
     sizes = [bounds[first + j + 1] - bounds[first + j] for j in range(m)]
-    return ExpertGroups(sizes, like.device, dtype=like.dtype)
+    return ExpertGroups(sizes, like.device, dtype=like.dtype, counts=counts[first : first + m])
 
 
 def combine_rows(rows: Tensor, order: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
@@ -129,7 +132,7 @@ class RingExperts(torch.autograd.Function):
         n, k = experts.shape  # N = B*L local tokens, k routed experts per token
         m, f = down.shape[0], down.shape[2]  # experts per rank, expert intermediate size
         x2 = x.reshape(n, h)
-        order, bounds, tok, w_rows = sort_rows(experts, weights, m * tsp.size)
+        order, bounds, tok, w_rows, counts = sort_rows(experts, weights, m * tsp.size)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         out = torch.zeros(n * k, h, dtype=acc_dtype, device=x.device)  # gate-weighted expert outputs, sorted
         saved_gu = x.new_empty(n * k, 2 * f)  # gate|up pre-activations of every sorted row
@@ -140,18 +143,18 @@ class RingExperts(torch.autograd.Function):
             lo, hi = bounds[s * m], bounds[(s + 1) * m]
             if lo == hi:  # no local token routed to this shard's experts (the ring hop still happens)
                 continue
-            groups = shard_groups(bounds, s * m, m, x)
+            groups = shard_groups(bounds, counts, s * m, m, x)
             experts_forward(groups, xs[lo:hi], w_gu, w_d, saved_gu[lo:hi], out[lo:hi])
         del xs
         out *= w_rows
         y = combine_rows(out, order, n, k, x.dtype)
         ctx.tsp, ctx.bounds, ctx.shapes = tsp, bounds, shapes
-        ctx.save_for_backward(x, weights, order, gate_up, down, saved_gu)
+        ctx.save_for_backward(x, weights, order, gate_up, down, saved_gu, counts)
         return y.view(b, l, h)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weights, order, gate_up, down, saved_gu = ctx.saved_tensors
+        x, weights, order, gate_up, down, saved_gu, counts = ctx.saved_tensors
         tsp, bounds, shapes = ctx.tsp, ctx.bounds, ctx.shapes
         b, l, h = x.shape
         n, k = weights.shape
@@ -171,8 +174,8 @@ class RingExperts(torch.autograd.Function):
             lo, hi = bounds[s * m], bounds[(s + 1) * m]
             if lo == hi:
                 continue
-            experts_backward(shard_groups(bounds, s * m, m, x), xs[lo:hi], dys[lo:hi], w_rows[lo:hi],
-                             saved_gu[lo:hi], w_gu, w_d, dx_rows[lo:hi], dw_rows[lo:hi], acc_gu, acc_d)
+            experts_backward(shard_groups(bounds, counts, s * m, m, x), xs[lo:hi], dys[lo:hi],
+                             w_rows[lo:hi], saved_gu[lo:hi], w_gu, w_d, dx_rows[lo:hi], dw_rows[lo:hi], acc_gu, acc_d)
         dx = combine_rows(dx_rows, order, n, k, x.dtype).view(b, l, h)
         d_weights = torch.empty_like(dw_rows)
         d_weights[order] = dw_rows
@@ -211,12 +214,10 @@ class DispatchExperts(torch.autograd.Function):
         m, f = down.shape[0], down.shape[2]
         d = tsp.size
         x2 = x.reshape(n, h)
-        order, bounds, tok, w_rows = sort_rows(experts, weights, m * d)
+        order, bounds, tok, w_rows, counts = sort_rows(experts, weights, m * d)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         # rows to owner p: experts [p*m, (p+1)*m), contiguous after the sort
         send_splits = [bounds[(p + 1) * m] - bounds[p * m] for p in range(d)]
-        counts = torch.tensor([bounds[e + 1] - bounds[e] for e in range(m * d)], dtype=torch.int64,
-                              device=x.device)
         if d > 1:  # recv_counts[p, j]: rows member p sends for my local expert j
             recv_counts = torch.empty_like(counts)
             dist.all_to_all_single(recv_counts, counts, group=tsp.group)
@@ -227,30 +228,32 @@ class DispatchExperts(torch.autograd.Function):
         recv_splits = [sum(row) for row in host]
         xr = all_to_all_rows(x2[tok], recv_splits, send_splits, tsp)  # [R, h], by source then expert
         # the owner's rows grouped by local expert (one GEMM per expert); perm: grouped row -> received row
-        eid = torch.arange(m, device=x.device).repeat(d).repeat_interleave(recv_counts.reshape(-1))
+        eid = torch.arange(m, device=x.device).repeat(d).repeat_interleave(recv_counts.reshape(-1),
+                                                                         output_size=sum(recv_splits))
         perm = torch.argsort(eid, stable=True)
         ebounds = [0]
         for j in range(m):
             ebounds.append(ebounds[-1] + sum(row[j] for row in host))
+        local_counts = recv_counts.sum(0)  # [m] rows per local expert, on the device
         xs = xr[perm]
         r = xs.shape[0]
         saved_gu = x.new_empty(r, 2 * f)
         ys = torch.empty(r, h, dtype=acc_dtype, device=x.device)
         w_gu, w_d = gate_up.to(x.dtype), down.to(x.dtype)  # the compute dtype, as the ring's packed shards
-        experts_forward(shard_groups(ebounds, 0, m, x), xs, w_gu, w_d, saved_gu, ys)
+        experts_forward(shard_groups(ebounds, local_counts, 0, m, x), xs, w_gu, w_d, saved_gu, ys)
         yr = torch.empty_like(ys)
         yr[perm] = ys
         out = all_to_all_rows(yr, send_splits, recv_splits, tsp)  # [N*k, h] sorted rows, unscaled
         out *= w_rows
         y = combine_rows(out, order, n, k, x.dtype)
         ctx.tsp, ctx.ebounds, ctx.splits = tsp, ebounds, (send_splits, recv_splits)
-        ctx.save_for_backward(weights, order, gate_up, down, xs, saved_gu, perm)
+        ctx.save_for_backward(weights, order, gate_up, down, xs, saved_gu, perm, local_counts)
         ctx.x_shape = x.shape
         return y.view(b, l, h)
 
     @staticmethod
     def backward(ctx, dy):
-        weights, order, gate_up, down, xs, saved_gu, perm = ctx.saved_tensors
+        weights, order, gate_up, down, xs, saved_gu, perm, local_counts = ctx.saved_tensors
         tsp, ebounds, (send_splits, recv_splits) = ctx.tsp, ctx.ebounds, ctx.splits
         b, l, h = ctx.x_shape
         n, k = weights.shape
@@ -269,8 +272,8 @@ class DispatchExperts(torch.autograd.Function):
         g_gu = torch.zeros(gate_up.shape, dtype=acc_dtype, device=xs.device)
         g_d = torch.zeros(down.shape, dtype=acc_dtype, device=xs.device)
         w_gu, w_d = gate_up.to(dtype), down.to(dtype)
-        experts_backward(shard_groups(ebounds, 0, m, xs), xs, dye.contiguous(), we, saved_gu, w_gu, w_d, dx_back,
-                         dw_back, g_gu, g_d)
+        experts_backward(shard_groups(ebounds, local_counts, 0, m, xs), xs, dye.contiguous(), we, saved_gu, w_gu,
+                         w_d, dx_back, dw_back, g_gu, g_d)
         br = torch.empty(r, h + 1, dtype=acc_dtype, device=xs.device)  # [dx | d weight], one message
         br[perm] = torch.cat([dx_back, dw_back.unsqueeze(1)], 1)
         rows = all_to_all_rows(br, send_splits, recv_splits, tsp)  # [N*k, h+1] sorted rows

@@ -71,7 +71,9 @@ class ModelConfig:
                 self.moe_intermediate_size = self.intermediate_size
             bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
             if bad:
-                raise TSPConfigError(f"dense_layers={list(self.dense_layers)} names layers outside 0..{self.n_layers - 1}")
+                raise TSPConfigError(
+                    f"dense_layers={list(self.dense_layers)} names layers outside 0..{self.n_layers - 1}"
+                )
             if self.expert_schedule not in EXPERT_SCHEDULES:
                 raise TSPConfigError(f"expert_schedule={self.expert_schedule!r}; choose one of {EXPERT_SCHEDULES}")
 
@@ -212,9 +214,9 @@ class TSPLlama(nn.Module):
     ):
         super().__init__()
         tsp = tsp or TSPGroup.single()
-        any_dense = cfg.n_moe_layers < cfg.n_layers
+        any_dense = cfg.n_moe_layers < cfg.n_layers  # intermediate_size matters only to dense MLP layers
         check_model_shape(tsp_size=tsp.size, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                          hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size if any_dense else tsp.size,
+                          hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size if any_dense else None,
                           vocab_size=cfg.vocab_size)
         if cfg.num_experts:
             check_moe_shape(tsp_size=tsp.size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
