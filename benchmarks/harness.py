@@ -47,7 +47,11 @@ ANCHORS = {
 # every option that defines one configuration (forwarded to subprocesses and printed in each row's command)
 CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "world", "tp", "sp", "rank",
                "micro_batch", "precision", "checkpointing", "optimizer", "rmsnorm", "sdpa_backend", "attention_kernel",
-               "fsdp_precision", "kv_bucket_heads", "steps", "warmup", "device")
+               "fsdp_precision", "kv_bucket_heads", "shard_group", "steps", "warmup", "device")
+
+
+def _shard_group(v: str) -> int | str:
+    return v if v == "auto" else int(v)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="selective, offload: TSP only (keep attention and re-run norm + MLP ring; full with the "
                          "layer inputs in pinned host memory)")
     ap.add_argument("--kv-bucket-heads", type=int, help="TSP: KV heads gathered at once (head bucketing)")
+    ap.add_argument("--shard-group", type=_shard_group, default="auto",
+                    help="TSP: owners per broadcast-schedule step (a divisor of --world, or auto)")
     ap.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach",
                     help="AdamW implementation, fp32 states (foreach: torch's CUDA default; its sqrt temporary adds "
                          "4 B/param to the optimizer-step peak; fused does not)")
@@ -167,7 +173,7 @@ def make_setup(args, cfg, device: str):
                  tp=args.tp or 1, sp=args.sp or 1, checkpointing=args.checkpointing, device=device,
                  autocast=args.precision == "bf16-mixed", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
                  attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
-                 norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads)
+                 norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads, shard_group=args.shard_group)
 
 
 def measure(args) -> dict:
@@ -237,7 +243,8 @@ def base_row(args, cfg) -> dict:
         "hidden": cfg.hidden_size, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.intermediate_size,
         "vocab": cfg.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "world": args.world,
         "tp": args.tp, "sp": args.sp, "rank": args.rank, "precision": args.precision,
-        "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads, "optimizer": args.optimizer, "warmup": args.warmup,
+        "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads,
+        "shard_group": args.shard_group, "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
         "excluded": EXCLUDED, "command": shlex.join(single_command(args)), "status": "?",
     }
@@ -266,7 +273,7 @@ def predicted_comm(row: dict) -> dict:
         kw = {"tsp": dict(tsp=w), "tp": dict(tp=w), "tp_sp": dict(tp=w), "sp": dict(sp=w),
               "tp_x_sp": dict(tp=row["tp"] or 1, sp=row["sp"] or 1)}[s]
         layout = Layout(s, w, gpn, **kw)
-        entries = communication(shape, layout, prec, B, S, mode)
+        entries = communication(shape, layout, prec, B, S, mode, shard_group=row.get("shard_group") or "auto")
         est = estimate(shape, layout, hw, prec, B, S, mode)
         out["model_peak_gb"] = est.peak_bytes / 1e9  # the cost model's memory, for comparison
     ov = sum(_comm_time(e, hw, shape.n_layers) for e in entries if e.overlap)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -66,6 +66,8 @@ class TSPLanguageModel(LightningModule):
         token_chunk: tokens per chunk of the vocab-sharded LM head (the full [L, V] logits never exist).
         kv_bucket_heads: KV heads whose full-sequence K/V are gathered at once (head bucketing; ``None``: all of
             a head group's). ``1`` keeps the gathered K/V smallest at very long contexts.
+        shard_group: owners whose attention shards one broadcast-schedule step runs at once (a divisor of
+            ``tsp_size``; ``auto``: all of them at short sequences, one at long ones; see docs/design.md).
         init_on_meta: build the unsharded model on the meta device (no memory); the strategy then initialises
             only this rank's shards, giving the same weights as a full initialisation whatever ``tsp_size``.
         lr: peak learning rate of AdamW.
@@ -86,6 +88,7 @@ class TSPLanguageModel(LightningModule):
         activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
         token_chunk: int = 4096,
         kv_bucket_heads: Optional[int] = None,
+        shard_group: Union[int, str] = "auto",
         init_on_meta: bool = True,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
@@ -130,6 +133,7 @@ class TSPLanguageModel(LightningModule):
             activation_checkpointing=hp.activation_checkpointing,
             token_chunk=hp.token_chunk,
             kv_bucket_heads=hp.get("kv_bucket_heads"),
+            shard_group=hp.get("shard_group", "auto"),
             device="meta" if hp.init_on_meta else None,
         )
 

@@ -111,6 +111,7 @@ def shard_module(full: TSPLlama, tsp: TSPGroup, device: torch.device) -> TSPLlam
         activation_checkpointing=full.activation_checkpointing,
         token_chunk=full.token_chunk,
         kv_bucket_heads=full.kv_bucket_heads,
+        shard_group=full.shard_group,
         device="meta",
         dtype=dtype,
     )

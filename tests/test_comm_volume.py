@@ -4,6 +4,7 @@ formulas (docs/cost-model.md) byte for byte and call for call."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import defaultdict
 
 import pytest
@@ -86,9 +87,13 @@ def _worker(rank: int, world_size: int) -> None:
     cases.append((shapes_for(world_size, gqa=True, tie=True), "none"))
     # one KV head replicated on every rank: K/V gathered and reduce-scattered once, one replica all-reduce
     cases += [(replicated(world_size, 1), c) for c in ("none", "offload")]
-    for cfg, checkpointing in cases:
+    # shard grouping: one owner per step, and "auto" (all D owners at this length: one all-gather / reduce-scatter
+    # of the attention shards); at D = 4 the in-between group of 2 (broadcasts, half the K/V exchanges)
+    groups = (2,) if world_size == 4 else (1, "auto")
+    for (cfg, checkpointing), group in itertools.product(cases, groups):
         tie = cfg.tie_embeddings
-        model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float32)
+        model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float32,
+                         shard_group=group)
         ids, labels = batch(cfg, B, S)
         inputs = model.shard_batch(ids, labels)
         counter = CollectiveCounter()
@@ -102,14 +107,15 @@ def _worker(rank: int, world_size: int) -> None:
                            n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                            intermediate_size=cfg.intermediate_size, tie_word_embeddings=tie)
         for kind in ("calls", "bytes"):
-            want = tsp_step_collectives(shape, B, S, world_size, 4, True, checkpointing, what=kind)
+            want = tsp_step_collectives(shape, B, S, world_size, 4, True, checkpointing, what=kind,
+                                        shard_group=group)
             want = _nonzero(want)
             if kind == "bytes":  # the loss all-reduces: a float64 token count and an fp32 loss sum
                 want["forward"]["all_reduce"] -= 16 - (8 + 4)
             got = counter.as_tally(kind)
-            assert got == want, f"tie={tie} ckpt={checkpointing} {kind}: counted {got} != model {want}"
+            assert got == want, f"tie={tie} ckpt={checkpointing} g={group} {kind}: counted {got} != model {want}"
 
 
-@pytest.mark.parametrize("d", [2, 3])
+@pytest.mark.parametrize("d", [2, 3, 4])
 def test_counted_collectives_equal_the_cost_model(d):
     run_distributed(_worker, d)

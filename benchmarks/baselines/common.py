@@ -37,6 +37,7 @@ class Setup:
     attention_kernel: str = "auto"  # zigzag calls (SP, TPxSP, FSDP+CP, TSP): lightning_tsp kernel name
     fsdp_precision: str = "policy"  # fsdp_cp: FSDP2 MixedPrecisionPolicy(bf16, fp32) | autocast
     kv_bucket_heads: int | None = None  # tsp: KV heads gathered at once (head bucketing)
+    shard_group: int | str = "auto"  # tsp: owners per broadcast-schedule step
     seed: int = 0
 
 

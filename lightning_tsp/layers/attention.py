@@ -10,6 +10,7 @@ token owners and reduces the weight-gradient partials onto owner j in fp32.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,7 +22,8 @@ from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, DocumentMask, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
-from lightning_tsp.schedules.broadcast import broadcast_shards, reduce_to_owner
+from lightning_tsp.planning.grouping import choose_shard_group, valid_shard_groups
+from lightning_tsp.schedules.broadcast import GroupReduce, broadcast_shards, gather_shard_groups, reduce_to_owner
 from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
 from lightning_tsp.schedules.comm import (
     all_gather,
@@ -270,6 +272,67 @@ class HeadLayout:
         """The last owner of its KV group: the group's K/V gradients are complete after its queries."""
         return owner % self.kv_replicas == self.kv_replicas - 1
 
+    # ---- shard grouping: g consecutive owners run as one owner of a g times larger head group ----------------
+
+    def valid_group(self, g: int, tsp_size: int) -> bool:
+        """g owners can run as one: g divides D and nests with the KV replicas (g | r or r | g)."""
+        r = self.kv_replicas
+        return g >= 1 and tsp_size % g == 0 and (g % r == 0 or r % g == 0)
+
+    def _kv_step(self, g: int) -> int:
+        return min(g, self.kv_replicas)  # consecutive owners of a group that hold the same KV head
+
+    def grouped(self, g: int) -> "HeadLayout":
+        """The head group of g consecutive owners: their query heads in owner order, each distinct KV head once
+        (a replicated KV head is read from the first of its owners; the copies are equal)."""
+        if g == 1:
+            return self
+        return HeadLayout(self.hidden, g * self.n_heads, g * self.n_kv_heads // self._kv_step(g), self.head_dim,
+                          self.bias, max(1, self.kv_replicas // g))
+
+    def _piece_kinds(self) -> list[str]:
+        return ["q", "kv", "kv", "o"] + (["q", "kv", "kv"] if self.bias else [])
+
+    def _group_pieces(self, g: int):
+        """Per packed piece: (kind, offset and size in an owner's shard, its view in the grouped shard)."""
+        out, a, b = [], 0, 0
+        grp = self.grouped(g)
+        for kind, own, mine in zip(self._piece_kinds(), self.shapes(), grp.shapes()):
+            n, m = math.prod(own), math.prod(mine)
+            out.append((kind, slice(a, a + n), slice(b, b + m)))
+            a, b = a + n, b + m
+        return out
+
+    def regroup(self, shards: Tensor, g: int) -> Tensor:
+        """Owners' packed shards [g, numel] -> the grouped head group's packed shard [grouped(g).numel]."""
+        out = shards.new_empty(self.grouped(g).numel)
+        step = self._kv_step(g)
+        h, q = self.hidden, self.q_rows
+        for kind, src, dst in self._group_pieces(g):
+            if kind == "q":  # owner-major rows
+                out[dst].view(g, -1).copy_(shards[:, src])
+            elif kind == "kv":  # one copy per distinct KV head
+                out[dst].view(g // step, -1).copy_(shards[::step, src])
+            else:  # o_proj columns [h, g q]
+                out[dst].view(h, g, q).copy_(shards[:, src].view(g, h, q).transpose(0, 1))
+        return out
+
+    def ungroup(self, grad: Tensor, g: int) -> Tensor:
+        """Transpose of :meth:`regroup` for gradients: the grouped shard's [grouped(g).numel] -> the owners'
+        [g, numel]; each replica of a KV head gets that head's whole gradient."""
+        out = grad.new_empty(g, self.numel)
+        step = self._kv_step(g)
+        h, q = self.hidden, self.q_rows
+        for kind, src, dst in self._group_pieces(g):
+            if kind == "q":
+                out[:, src].copy_(grad[dst].view(g, -1))
+            elif kind == "kv":
+                n = src.stop - src.start
+                out[:, src].view(g // step, step, n).copy_(grad[dst].view(g // step, 1, n).expand(-1, step, -1))
+            else:
+                out[:, src].view(g, h, q).copy_(grad[dst].view(h, g, q).transpose(0, 1))
+        return out
+
 
 @dataclass(frozen=True)
 class _AttnSpec:
@@ -283,12 +346,23 @@ class _AttnSpec:
     kv_bucket: int | None = None  # local KV heads gathered at once (head bucketing); None: all of them
     stash: AttentionStash | None = None  # attention outputs recorded by a forward / replayed by its recompute
     documents: Documents | None = None  # packed documents: per-document causal attention
+    group: int = 1  # shard grouping: owners whose shards the broadcast schedule runs as one step
+
+    @property
+    def step_layout(self) -> HeadLayout:
+        """The head group one step of the broadcast schedule computes (g owners' heads with shard grouping)."""
+        return self.layout.grouped(self.group)
+
+    @property
+    def steps(self) -> int:
+        return self.tsp.size // self.group
 
     def buckets(self) -> list[tuple[slice, slice]]:
-        """(KV-head slice, query-head slice) per bucket of the local head group."""
-        nkv = self.layout.n_kv_heads
+        """(KV-head slice, query-head slice) per bucket of one step's head group."""
+        lay = self.step_layout
+        nkv = lay.n_kv_heads
         n = self.kv_bucket or nkv
-        g = self.layout.n_heads // nkv
+        g = lay.n_heads // nkv
         return [(slice(a, min(a + n, nkv)), slice(a * g, min(a + n, nkv) * g)) for a in range(0, nkv, n)]
 
 
@@ -323,7 +397,7 @@ def project_qkv(spec: _AttnSpec, view: ShardView, x2: Tensor, norms, b: int, l: 
     """q (and k, v) of local tokens x2 [B*L, h] with one head group's weights: one GEMM (biases in its epilogue),
     then the optional per-head q/k norms. ``with_kv=False`` projects q only (a replica owner: its KV group's K/V
     were projected and exchanged by the group's first owner)."""
-    lay = spec.layout
+    lay = spec.step_layout
     nq, nkv = lay.n_heads, lay.n_kv_heads
     if isinstance(view.w_qkv, Tensor):
         rows = lay.qkv_rows if with_kv else lay.q_rows
@@ -454,6 +528,34 @@ def _unflatten_saved(flat, n_owners: int, n_groups: int, n_buckets: int):
     return owners, groups
 
 
+def schedule_shards(spec: _AttnSpec, shard: Tensor) -> Iterator[tuple[int, Tensor]]:
+    """Per step J of the broadcast schedule, the packed shard of its head group (:attr:`_AttnSpec.step_layout`):
+    owner J's own shard, or with shard grouping the g owners' shards regrouped into one."""
+    if spec.group == 1:
+        yield from broadcast_shards(spec.tsp, shard)
+        return
+    for jg, shards in gather_shard_groups(spec.tsp, shard, spec.group):
+        yield jg, spec.layout.regroup(shards, spec.group)
+
+
+class _StepReduce:
+    """Each step's weight-gradient partial (step layout, fp32) back to its owner(s); :meth:`result` is this rank's
+    d shard in its own layout."""
+
+    def __init__(self, spec: _AttnSpec):
+        self.spec = spec
+        self.reduce = reduce_to_owner(spec.tsp) if spec.group == 1 else GroupReduce(spec.tsp, spec.group)
+
+    def submit(self, j: int, partial: Tensor) -> None:
+        if self.spec.group == 1:
+            self.reduce.submit(j, partial)
+        else:
+            self.reduce.submit(j, self.spec.layout.ungroup(partial, self.spec.group))
+
+    def result(self) -> Tensor:
+        return self.reduce.result()
+
+
 def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor, norms: list[Tensor], *,
                         kv_sink=None, save: bool = True):
     """The broadcast schedule's forward: y [B, L, h] for local tokens x [B, L, h].
@@ -463,17 +565,17 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
     (prefill writes them into its cache). Returns (y, owners, groups): what backward needs when ``save``.
     """
     b, l, h = x.shape
-    tsp, lay = spec.tsp, spec.layout
+    lay = spec.step_layout
     x2 = x.reshape(b * l, h)
     # every head group's o and Wo_j land in one [B*L, D*nq*d] / [h, D*nq*d] pair: one output-projection GEMM
     # at the end (full K, fp32 accumulation inside the GEMM) instead of D thin GEMMs into an accumulator
-    o_all = x.new_empty(b * l, tsp.size * lay.q_rows)
-    wo_all = x.new_empty(h, tsp.size * lay.q_rows)
+    o_all = x.new_empty(b * l, spec.steps * lay.q_rows)
+    wo_all = x.new_empty(h, spec.steps * lay.q_rows)
     owners: list[OwnerSaved] = []
     groups: list[GroupSaved] = []
     kv: GatheredKV | None = None
     replaying = spec.stash is not None and spec.stash.replaying  # recompute: the kernels' outputs are known
-    for j, buf in broadcast_shards(tsp, shard):
+    for j, buf in schedule_shards(spec, shard):
         view = lay.view(buf)
         wo_all[:, j * lay.q_rows : (j + 1) * lay.q_rows] = view.w_o
         first = lay.starts_group(j)
@@ -485,7 +587,7 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
             if save:
                 groups.append(GroupSaved(p.k_raw if spec.qk_norm else None, tuple(blocks)))
             if not replaying:  # in flight while q is rotated
-                kv = GatheredKV(blocks, tsp, keep=lay.kv_replicas > 1)
+                kv = GatheredKV(blocks, spec.tsp, keep=lay.kv_replicas > 1)
         q = apply_rope(p.q, cos, sin)  # [B, L, nq, d]
         if replaying:
             o, lse = spec.stash.replay()
@@ -547,20 +649,21 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
     reduce per owner; a replicated KV group's K/V partials are summed over the TSP group in one all-reduce at the
     end, so every replica of a KV head gets the same, complete gradient.
     """
-    tsp, lay = spec.tsp, spec.layout
+    tsp, lay = spec.tsp, spec.step_layout
     b, l, h = x.shape
     x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
     d_norms = [torch.zeros(lay.head_dim, dtype=acc_dtype, device=x.device) for _ in norms]
-    replicated = lay.kv_replicas > 1
-    kv_grads = torch.zeros(tsp.size // lay.kv_replicas, lay.kv_numel, dtype=acc_dtype, device=x.device) \
+    own = spec.layout  # this rank's (owner) layout; ``lay`` is one step's (several owners' with shard grouping)
+    replicated = own.kv_replicas > 1
+    kv_grads = torch.zeros(tsp.size // own.kv_replicas, own.kv_numel, dtype=acc_dtype, device=x.device) \
         if replicated else None
     nq, nkv = lay.n_heads, lay.n_kv_heads
-    owner = reduce_to_owner(tsp)
+    owner = _StepReduce(spec)
     kv: GatheredKV | None = None
     dg_acc: list[Tensor | None] = []
-    for j, buf in broadcast_shards(tsp, shard):
+    for j, buf in schedule_shards(spec, shard):
         view = lay.view(buf)
         s, grp = owners[j], groups[lay.kv_group(j)]
         if lay.starts_group(j):  # re-gathered, in flight during the o-projection gradients
@@ -591,17 +694,24 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
         if grad.b_qkv is not None:
             torch.sum(dqkv2, 0, dtype=acc_dtype, out=grad.b_qkv[:rows])
         if replicated:  # K/V partials go to the replica sum, not to owner j
-            pieces = [t for t in lay.kv_view(partial) if t is not None]
-            if with_kv:
-                torch.cat([t.reshape(-1) for t in pieces], out=kv_grads[lay.kv_group(j)])
-            for t in pieces:
-                t.zero_()
+            w, bias = lay.kv_view(partial)
+            if with_kv:  # the step's KV heads (one, or several whole KV groups with shard grouping)
+                m, hd = lay.n_kv_heads, lay.head_dim
+                first = j * spec.group // own.kv_replicas
+                for i in range(m):
+                    heads = [w[i * hd : (i + 1) * hd], w[(m + i) * hd : (m + i + 1) * hd]]
+                    if bias is not None:
+                        heads += [bias[i * hd : (i + 1) * hd], bias[(m + i) * hd : (m + i + 1) * hd]]
+                    torch.cat([t.reshape(-1) for t in heads], out=kv_grads[first + i])
+            for t in (w, bias):
+                if t is not None:
+                    t.zero_()
         owner.submit(j, partial)
     d_shard = owner.result()
-    if replicated:
+    if replicated:  # one all-reduce: every replica of a KV head gets the same bits
         all_reduce_sum(kv_grads, tsp)
-        pieces = [t for t in lay.kv_view(d_shard) if t is not None]
-        for t, g in zip(pieces, unpack(kv_grads[lay.kv_group(tsp.rank)], [t.shape for t in pieces])):
+        pieces = [t for t in own.kv_view(d_shard) if t is not None]
+        for t, g in zip(pieces, unpack(kv_grads[own.kv_group(tsp.rank)], [t.shape for t in pieces])):
             t.copy_(g)
     d_norms = [all_reduce_sum(g, tsp) for g in d_norms]
     return dx.view(b, l, h), d_shard, d_norms
@@ -654,6 +764,19 @@ class AttentionStash:
         return self.items.pop(0)
 
 
+def check_shard_group(shard_group: int | str, layout: HeadLayout, tsp_size: int) -> int | str:
+    """``shard_group`` as given when it can run at this D; a :class:`TSPConfigError` naming the choices otherwise."""
+    if shard_group == "auto":
+        return shard_group
+    valid = valid_shard_groups(tsp_size, layout.kv_replicas)
+    bad = isinstance(shard_group, bool) or not isinstance(shard_group, int) or shard_group < 1
+    if bad or (tsp_size > 1 and shard_group not in valid):  # (an unsharded model keeps it for its sharded copy)
+        raise TSPConfigError(f"shard_group={shard_group!r} at tsp_size={tsp_size}: give 'auto' or one of {valid} "
+                             f"(a divisor of the TSP group size that nests with the {layout.kv_replicas} owner(s) per "
+                             "KV head)")
+    return shard_group
+
+
 def kv_replicas(n_kv_heads: int, tsp_size: int) -> int:
     """Owners per KV head: 1 when the KV heads split over the ranks, D / n_kv when each is replicated."""
     if n_kv_heads % tsp_size == 0:
@@ -675,6 +798,10 @@ class TSPAttention(nn.Module):
 
     Training, prefill (:func:`broadcast_attention` with a ``kv_sink``) and decoding (the owner's own shard, see
     ``lightning_tsp.inference.decode``) all project through :func:`project_qkv` and :func:`kv_blocks`.
+
+    ``shard_group``: owners whose shards one step of the broadcast schedule runs at once in training (an int
+    dividing D, or ``"auto"``: chosen per forward from the sequence length, see
+    :func:`lightning_tsp.planning.grouping.choose_shard_group`). Exact for any choice; prefill steps one owner.
     """
 
     tsp_shard_dims = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1,
@@ -682,7 +809,7 @@ class TSPAttention(nn.Module):
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, tsp: TSPGroup, kernel: str = "auto",
                  head_dim: int | None = None, bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
-                 kv_bucket_heads: int | None = None, device=None, dtype=None):
+                 kv_bucket_heads: int | None = None, shard_group: int | str = "auto", device=None, dtype=None):
         super().__init__()
         d = tsp.size
         self.tsp, self.kernel_name, self.bias, self.qk_norm, self.norm_eps = tsp, kernel, bias, qk_norm, norm_eps
@@ -693,6 +820,7 @@ class TSPAttention(nn.Module):
         self.head_dim = head_dim or hidden_size // n_heads
         replicas = kv_replicas(n_kv_heads, d)
         self.layout = HeadLayout(hidden_size, n_heads // d, n_kv_heads * replicas // d, self.head_dim, bias, replicas)
+        self.shard_group = check_shard_group(shard_group, self.layout, d)
         self.n_heads, self.n_kv_heads = self.layout.n_heads, self.layout.n_kv_heads  # local
         # parameters holding one replica of a KV head: their full (Hugging Face) tensor has 1/replicas of the rows
         self.tsp_replicas = {n: replicas for n in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")}
@@ -716,16 +844,27 @@ class TSPAttention(nn.Module):
     def norm_params(self) -> list[Tensor]:
         return [local_tensor(self.q_norm.weight), local_tensor(self.k_norm.weight)] if self.qk_norm else []
 
-    def spec(self, device: torch.device, dtype: torch.dtype, documents: Documents | None = None) -> _AttnSpec:
+    def spec(self, device: torch.device, dtype: torch.dtype, documents: Documents | None = None,
+             group: int = 1) -> _AttnSpec:
         kernel = select_attention_kernel(device, self.kernel_name, dtype, documents=documents is not None)
         return _AttnSpec(self.tsp, self.layout, kernel, self.qk_norm, self.norm_eps, self.kv_bucket_heads, self.stash,
-                         documents)
+                         documents, group)
+
+    def step_group(self, batch: int, local_len: int, dtype: torch.dtype) -> int:
+        """The shard group the broadcast schedule runs with for a [batch, local_len] block of local tokens."""
+        if self.tsp.size == 1:
+            return 1
+        if self.shard_group != "auto":
+            return self.shard_group
+        lay = self.layout
+        return choose_shard_group(self.tsp.size, local_len * self.tsp.size, batch, lay.n_kv_heads, lay.head_dim,
+                                  lay.kv_replicas, torch.finfo(dtype).bits // 8)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None) -> Tensor:
         """x [B, S/D, h] (this rank's zigzag tokens), cos/sin [S/D, d] or [B, S/D, d] of their positions (global,
         or inside their documents); ``documents``: packed documents (attention stays inside each document)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        spec = self.spec(x.device, dtype, documents)
+        spec = self.spec(x.device, dtype, documents, self.step_group(x.shape[0], x.shape[1], dtype))
         params = self.shard_params() + self.norm_params()
         with torch.autocast(x.device.type, enabled=False):
             cos, sin = cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)  # broadcast over the heads

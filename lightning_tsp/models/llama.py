@@ -146,13 +146,14 @@ class TSPDecoderLayer(nn.Module):
     loss (None for a dense layer)."""
 
     def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, kv_bucket_heads: int | None = None,
-                 moe: bool = False, device=None, dtype=None):
+                 moe: bool = False, shard_group: int | str = "auto", device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
         self.self_attn = TSPAttention(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, tsp, attention_kernel,
                                       head_dim=cfg.head_dim, bias=cfg.attention_bias, qk_norm=cfg.qk_norm,
-                                      norm_eps=cfg.norm_eps, kv_bucket_heads=kv_bucket_heads, **kw)
+                                      norm_eps=cfg.norm_eps, kv_bucket_heads=kv_bucket_heads,
+                                      shard_group=shard_group, **kw)
         self.post_attention_layernorm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
         if moe:
             self.mlp = TSPMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
@@ -181,12 +182,13 @@ class TSPDecoderLayer(nn.Module):
 
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, tsp: TSPGroup, attention_kernel: str, kv_bucket_heads: int | None,
-                 device=None, dtype=None):
+                 shard_group: int | str = "auto", device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.embed_tokens = TSPEmbedding(cfg.vocab_size, cfg.hidden_size, tsp, **kw)
         self.layers = nn.ModuleList(
-            TSPDecoderLayer(cfg, tsp, attention_kernel, kv_bucket_heads, moe=cfg.is_moe_layer(i), **kw)
+            TSPDecoderLayer(cfg, tsp, attention_kernel, kv_bucket_heads, moe=cfg.is_moe_layer(i),
+                            shard_group=shard_group, **kw)
             for i in range(cfg.n_layers)
         )
         self.norm = TSPRMSNorm(cfg.hidden_size, tsp, cfg.norm_eps, **kw)
@@ -209,6 +211,7 @@ class TSPLlama(nn.Module):
         activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
         token_chunk: int = 4096,
         kv_bucket_heads: int | None = None,
+        shard_group: int | str = "auto",
         device=None,
         dtype=None,
     ):
@@ -228,8 +231,9 @@ class TSPLlama(nn.Module):
             )
         self.cfg, self.tsp, self.activation_checkpointing = cfg, tsp, activation_checkpointing
         self.attention_kernel, self.token_chunk, self.kv_bucket_heads = attention_kernel, token_chunk, kv_bucket_heads
+        self.shard_group = shard_group
         kw = dict(device=device, dtype=dtype)
-        self.model = _Backbone(cfg, tsp, attention_kernel, kv_bucket_heads, **kw)
+        self.model = _Backbone(cfg, tsp, attention_kernel, kv_bucket_heads, shard_group, **kw)
         self.lm_head = TSPLMHead(cfg.vocab_size, cfg.hidden_size, tsp, token_chunk, tied=cfg.tie_embeddings, **kw)
         if device is None or torch.device(device).type != "meta":
             self.init_weights()

@@ -104,6 +104,19 @@ def _expert_lines(rows: list[Estimate]) -> list[str]:
     return lines
 
 
+def _shard_group_lines(rows: list[Estimate]) -> list[str]:
+    """For TSP rows: the shard group ``shard_group="auto"`` runs the broadcast schedule with, per TSP degree."""
+    lines, seen = [], set()
+    for e in sorted(rows, key=lambda e: e.layout.tsp):
+        D = e.layout.tsp
+        if e.shard_group is None or D in seen or D == 1:
+            continue
+        seen.add(D)
+        lines.append(f"attention: shard_group={e.shard_group} (auto) at D = {D}: {D // e.shard_group} broadcast-"
+                     f"schedule step(s) of {e.shard_group} owner(s) per layer pass")
+    return lines
+
+
 def _breakdown(e: Estimate) -> str:
     lines = [f"breakdown of {e.layout.label} {e.layout.degrees}:"]
     m = e.memory
@@ -161,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = plan.estimates if args.all else select_rows(plan)
     print(format_table(rows))
     print()
-    for line in _expert_lines(rows):
+    for line in _expert_lines(rows) + _shard_group_lines(rows):
         print(line)
     for n in plan.notes:
         print("note:", n)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from .grouping import choose_shard_group
 from .model import ModelShape
 
 __all__ = [
@@ -138,15 +139,40 @@ def _check_seq(S: int, D: int) -> None:
         raise ValueError(f"seq_len={S} must be a positive multiple of 2*D={2 * D} (zigzag layout)")
 
 
-def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, what: What, mlp: bool = True
-                      ) -> Tally:
+def resolve_shard_group(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, shard_group: int | str) -> int:
+    """The shard group a TSP model with ``shard_group`` (an int or ``"auto"``) runs at this shape."""
+    if shard_group != "auto":
+        return int(shard_group)
+    if D == 1:
+        return 1
+    _, kv = tsp_local_heads(shape, D)
+    replicas = D // tsp_kv_groups(shape, D)
+    return choose_shard_group(D, S, B, kv, shape.hd, replicas, w_bytes)
+
+
+def _kv_exchanges(shape: ModelShape, D: int, sg: int) -> int:
+    """K/V exchanges per pass: one per step that projects K/V (each distinct KV head crosses once)."""
+    return min(D // sg, tsp_kv_groups(shape, D))
+
+
+def _owner_weights(t: dict, D: int, sg: int, numel: int, elem: int, by: bool, one: str, grouped: str) -> None:
+    """D owners' shards: one ``one`` op each (broadcast / reduce), or one ``grouped`` op (all-gather /
+    reduce-scatter) of all D when the group is the whole TSP group. Bytes are the same either way."""
+    if sg == D:
+        t[grouped] = t.get(grouped, 0) + (D * numel * elem if by else 1)
+    else:
+        t[one] = t.get(one, 0) + D * (numel * elem if by else 1)
+
+
+def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, what: What, mlp: bool = True,
+                      sg: int = 1) -> Tally:
     t = _empty()
     f = t["forward"]
     by = what == "bytes"
-    f["broadcast"] = D * (tsp_attn_shard_numel(shape, D) * w_bytes if by else 1)
-    # per KV group: one all-gather per zigzag half, each half of the gathered K/V
-    g = tsp_kv_groups(shape, D)
-    f["all_gather_into_tensor"] = g * (tsp_kv_gather_numel(shape, B, S, D) * w_bytes if by else 2)
+    _owner_weights(f, D, sg, tsp_attn_shard_numel(shape, D), w_bytes, by, "broadcast", "all_gather_into_tensor")
+    # per KV exchange: one all-gather per zigzag half; every KV group's K/V once
+    g, e = tsp_kv_groups(shape, D), _kv_exchanges(shape, D, sg)
+    f["all_gather_into_tensor"] += (g * tsp_kv_gather_numel(shape, B, S, D) * w_bytes) if by else 2 * e
     if mlp:  # the dense MLP ring
         f["send"] = (D - 1) * (tsp_mlp_shard_numel(shape, D) * w_bytes if by else 1)
     return t
@@ -215,6 +241,7 @@ def tsp_layer_collectives(
     what: What = "bytes",
     moe: bool = False,
     expert_schedule: str = "ring",
+    shard_group: int | str = 1,
 ) -> Tally:
     """One transformer layer (attention broadcast schedule + MLP ring + 2 RMSNorms) on one TSP rank.
 
@@ -227,6 +254,9 @@ def tsp_layer_collectives(
     replayed); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
     ``moe``: an MoE layer: the MLP ring's sends are replaced by :func:`tsp_moe_mlp_collectives` with
     ``expert_schedule``.
+    ``shard_group`` (g, or ``"auto"`` as the model resolves it): g owners per broadcast-schedule step. The bytes
+    stay the same; with g = D the D broadcasts / reduces of the attention shards become one all-gather / one
+    reduce-scatter, and the K/V exchanges fall to min(D / g, G) per pass.
     Returns phase -> op -> bytes (``what="bytes"``) or number of calls (``what="calls"``).
     """
     _check_what(what)
@@ -236,7 +266,8 @@ def tsp_layer_collectives(
         return _empty()
     _check_seq(S, D)
     by = what == "bytes"
-    fwd = _attn_mlp_forward(shape, B, S, D, w_bytes, what, mlp=not moe)
+    sg = resolve_shard_group(shape, B, S, D, w_bytes, shard_group)
+    fwd = _attn_mlp_forward(shape, B, S, D, w_bytes, what, mlp=not moe, sg=sg)
     experts = (tsp_moe_mlp_collectives(shape, B, S, D, w_bytes, training, checkpointing, what, expert_schedule)
                if moe else _empty())
     if not training:
@@ -245,11 +276,11 @@ def tsp_layer_collectives(
     kv = tsp_kv_gather_numel(shape, B, S, D)
     bwd = _empty()
     b = bwd["backward"]
-    b["broadcast"] = D * (attn * w_bytes if by else 1)
-    g = tsp_kv_groups(shape, D)
-    b["all_gather_into_tensor"] = g * (kv * w_bytes if by else 2)
-    b["reduce_scatter_tensor"] = g * (kv * G_BYTES if by else 2)
-    b["reduce"] = D * (attn * G_BYTES if by else 1)
+    _owner_weights(b, D, sg, attn, w_bytes, by, "broadcast", "all_gather_into_tensor")
+    g, e = tsp_kv_groups(shape, D), _kv_exchanges(shape, D, sg)
+    b["all_gather_into_tensor"] += g * kv * w_bytes if by else 2 * e
+    b["reduce_scatter_tensor"] = g * kv * G_BYTES if by else 2 * e
+    _owner_weights(b, D, sg, attn, G_BYTES, by, "reduce", "reduce_scatter_tensor")
     b["all_reduce"] = 2 * (shape.hidden_size * G_BYTES if by else 1)
     if g < D:  # replicated KV heads: their weight gradients summed over the group, one all-reduce
         b["all_reduce"] += (shape.n_kv_heads * 2 * shape.hd * shape.hidden_size * G_BYTES) if by else 1
@@ -260,9 +291,10 @@ def tsp_layer_collectives(
     if checkpointing in ("full", "offload"):
         recompute = fwd["forward"]
         for op, v in recompute.items():
-            # offload replays the attention outputs: its recomputation gathers no K/V
-            if not (checkpointing == "offload" and op == "all_gather_into_tensor"):
-                out["backward"][op] += v
+            # offload replays the attention outputs: its recomputation gathers no K/V (only the weights)
+            if checkpointing == "offload" and op == "all_gather_into_tensor":
+                v = 0 if sg < D else (D * attn * w_bytes if by else 1)
+            out["backward"][op] += v
     elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again
         out["backward"]["send"] += fwd["forward"]["send"]
     return add_tallies(out, experts)
@@ -349,13 +381,15 @@ def tsp_step_collectives(
     what: What = "bytes",
     param_bytes: int | None = None,
     expert_schedule: str = "ring",
+    shard_group: int | str = 1,
 ) -> Tally:
     """Everything one TSP rank issues in one step (one micro-batch): n_layers layers (dense and MoE) + embedding +
     LM head + final norm + loss. ``param_bytes``: element size of the stored parameters (the embedding ring moves
-    them as stored; default ``w_bytes``; 4 under bf16-mixed). ``expert_schedule``: the MoE layers' schedule.
+    them as stored; default ``w_bytes``; 4 under bf16-mixed). ``expert_schedule``: the MoE layers' schedule;
+    ``shard_group``: the attention's (:func:`tsp_layer_collectives`).
     Excludes the data-parallel gradient reduction (it is not a TSP-group collective)."""
     layers = [scale_tally(tsp_layer_collectives(shape, B, S, D, w_bytes, training, checkpointing, what, moe,
-                                                expert_schedule), n) for n, moe in shape.layer_kinds()]
+                                                expert_schedule, shard_group), n) for n, moe in shape.layer_kinds()]
     return add_tallies(
         *layers,
         tsp_embedding_collectives(shape, D, w_bytes if param_bytes is None else param_bytes, training, what),

@@ -149,6 +149,7 @@ class Estimate:
     headroom: float = 0.9
     notes: list[str] = field(default_factory=list)
     expert_schedule: str | None = None  # TSP on an MoE model: "ring" or "dispatch"
+    shard_group: int | None = None  # TSP: owners per broadcast-schedule step ("auto" as the model resolves it)
 
     @property
     def peak_bytes(self) -> float:
@@ -391,7 +392,7 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _tsp_comm(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str,
-              expert_schedule: str = "ring") -> list[CommEntry]:
+              expert_schedule: str = "ring", shard_group: int | str = "auto") -> list[CommEntry]:
     D, gpn = layout.tsp, layout.gpus_per_node
     link = _link(D, 1, gpn)
     out: list[CommEntry] = []
@@ -405,7 +406,7 @@ def _tsp_comm(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, m
 
     w = p.compute
     for n, moe in shape.layer_kinds():
-        kw = dict(moe=moe, expert_schedule=expert_schedule)
+        kw = dict(moe=moe, expert_schedule=expert_schedule, shard_group=shard_group)
         add(C.tsp_layer_collectives(shape, B, S, D, w, True, mode, **kw),
             C.tsp_layer_collectives(shape, B, S, D, w, True, mode, what="calls", **kw), True,
             f"MoE layer ({expert_schedule})" if moe else "layer", None if n == shape.n_layers else n)
@@ -427,7 +428,7 @@ def _grad_sync(n_params: int, p: Precision, size: int, stride: int, gpn: int, gr
 
 
 def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, mode: str,
-                  expert_schedule: str = "ring") -> list[CommEntry]:
+                  expert_schedule: str = "ring", shard_group: int | str = "auto") -> list[CommEntry]:
     """Everything one GPU issues per step. Logical bytes follow the collectives.py convention.
     ``expert_schedule``: TSP's MoE layers ("ring" or "dispatch")."""
     s, gpn, h, a = layout.strategy, layout.gpus_per_node, shape.hidden_size, p.compute
@@ -496,7 +497,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
         E("forward", "all_reduce", "sp", sig, 1, 16, 2, False, False, "loss")
         out += _grad_sync(n_local, p, layout.gpus, 1, gpn, "dp")  # weights replicated over sp x dp
     else:  # tsp
-        out += _tsp_comm(shape, layout, p, B, S, mode, expert_schedule)
+        out += _tsp_comm(shape, layout, p, B, S, mode, expert_schedule, shard_group)
         out += _grad_sync(n_local, p, layout.dp, layout.tsp, gpn, "dp")
     return out
 
@@ -543,8 +544,9 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
         runs = 1 if checkpointing == "none" else 2  # MoE forward, which checkpointing re-runs in backward
         ex += shape.n_moe_layers * runs * (1 if schedule == "ring" else 2) * HOST_SYNC_S
     step = max(compute_s, ov) + ex
+    group = C.resolve_shard_group(shape, B, S, layout.tsp, p.compute, "auto") if layout.strategy == "tsp" else None
     return Estimate(layout, shape, hw, p, B, S, checkpointing, mem, comm, flops, compute_s, ov, ex, step,
-                    headroom, expert_schedule=schedule)
+                    headroom, expert_schedule=schedule, shard_group=group)
 
 
 def _moe_args(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision) -> dict:

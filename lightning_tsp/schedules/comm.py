@@ -30,11 +30,11 @@ def unpack(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
     return out
 
 
-def reduce_scatter(output: Tensor, input: Tensor, tsp: TSPGroup) -> None:
+def reduce_scatter(output: Tensor, input: Tensor, tsp: TSPGroup, async_op: bool = False):
     """Sum ``input`` ([D * n] elements) over the group; member p keeps slice p in ``output``."""
     # torch >= 2.13 names it reduce_scatter_single and deprecates reduce_scatter_tensor; support both.
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, input, group=tsp.group)
+    return fn(output, input, group=tsp.group, async_op=async_op)
 
 
 def all_gather(output: Tensor, input: Tensor, tsp: TSPGroup, async_op: bool = False):
