@@ -292,6 +292,12 @@ def finalize(row: dict) -> dict:
     tokens = row["micro_batch"] * row["seq_len"]
     model_flops = training_flops(shape, row["micro_batch"], row["seq_len"], row["checkpointing"])["model"]
     row["model_flops_per_gpu"] = model_flops / row["world"]
+    if row["strategy"] == "tsp":  # the g that "auto" resolves to, as the model resolves it
+        from lightning_tsp.planning.collectives import resolve_shard_group
+
+        w_bytes = 2 if row["precision"] == "bf16-mixed" else 4
+        row["shard_group_used"] = resolve_shard_group(shape, row["micro_batch"], row["seq_len"], row["world"],
+                                                      w_bytes, row.get("shard_group") or "auto")
     try:
         row.update(predicted_comm(row))
     except Exception as exc:  # noqa: BLE001 - the cost model may not cover a shape; the row still stands
@@ -353,7 +359,8 @@ def format_table(rows: list[dict]) -> str:
             if r.get("anchor_peak_dev") is not None:
                 anchor += f" ({r['anchor_peak_dev']:+.0%} / {r.get('anchor_step_dev', 0):+.0%})"
         cells.append([
-            r["strategy"], r.get("layout") or "", seq_label(r["seq_len"]), peak_s, fmt(r.get("step_s"), ".3f"),
+            r["strategy"], (r.get("layout") or "") + (f", g={r['shard_group_used']}" if r.get("shard_group_used")
+                                                      else ""), seq_label(r["seq_len"]), peak_s, fmt(r.get("step_s"), ".3f"),
             fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt(r.get("model_tflops_per_gpu"), ".0f"),
             "" if r.get("mfu_peak") is None else f"{r['mfu_peak']:.0%} / {r['mfu_gemm']:.0%}", comm,
             fmt(r.get("pred_step_with_comm_s"), ".3f"), anchor, f"`{r['command']}`",
