@@ -213,7 +213,8 @@ def test_planner_moe_comm_matches_exact_model_and_picks_the_schedule():
         est = estimate(MIXTRAL, lay, H200, MIXED, 1, S, "full")
         want = choose_expert_schedule(**ARGS["mixtral"], tokens=S // 8, tsp_size=8)
         assert est.expert_schedule == want
-        exact = tsp_step_collectives(MIXTRAL, 1, S, 8, 2, checkpointing="full", param_bytes=4, expert_schedule=want)
+        exact = tsp_step_collectives(MIXTRAL, 1, S, 8, 2, checkpointing="full", param_bytes=4, expert_schedule=want,
+                                     shard_group=est.shard_group)
         for ph in ("forward", "backward"):
             assert est.comm_bytes(phase=ph, group="tsp") == pytest.approx({op: float(v) for op, v in exact[ph].items()})
     assert {estimate(MIXTRAL, lay, H200, MIXED, 1, S).expert_schedule for S in (8192, 1048576)} == {"ring", "dispatch"}
