@@ -17,7 +17,7 @@ HAS_HF = importlib.util.find_spec("transformers") is not None and importlib.util
 pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers and safetensors")
 
 from lightning_tsp import TSPConfigError, TSPLlama  # noqa: E402
-from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling  # noqa: E402
+from lightning_tsp.layers.rope import apply_rope, apply_rope_backward, rope_cos_sin, validate_rope_scaling  # noqa: E402
 from lightning_tsp.models.llama import ModelConfig  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.reference import assert_close, batch, full_grads, world_tsp  # noqa: E402
@@ -325,3 +325,22 @@ def test_d2_training_matches_d1_and_generation_matches_hugging_face():
         hf, model = _generation_pair(name)
         want[name] = _hf_greedy(hf, _prompts(model.cfg.vocab_size))
     run_distributed(_d2_worker, 2, want, timeout=130.0)
+
+
+def test_apply_rope_backward_is_the_transpose_of_apply_rope():
+    """apply_rope against x cos + rotate_half(x) sin on a strided view, apply_rope_backward against autograd's
+    transpose of it, for cos/sin whose halves differ (so a swapped half cannot pass)."""
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(2, 5, 7, 8, dtype=torch.float64, generator=g)
+    x = buf[:, :, 2:5]  # strided, as the q/k views of the projection buffer
+    cos, sin = torch.randn(2, 5, 1, 8, dtype=torch.float64, generator=g).unbind(0)
+    ref = x * cos + rotate_half(x) * sin
+    torch.testing.assert_close(apply_rope(x, cos, sin), ref, rtol=0, atol=1e-14)
+    xr = x.detach().clone().requires_grad_()
+    dy = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    (xr * cos + rotate_half(xr) * sin).backward(dy)
+    torch.testing.assert_close(apply_rope_backward(dy, cos, sin), xr.grad, rtol=0, atol=1e-14)
