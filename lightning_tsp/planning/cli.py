@@ -113,7 +113,8 @@ def _shard_group_lines(rows: list[Estimate]) -> list[str]:
             continue
         seen.add(D)
         lines.append(f"attention: shard_group={e.shard_group} (auto) at D = {D}: {D // e.shard_group} broadcast-"
-                     f"schedule step(s) of {e.shard_group} owner(s) per layer pass")
+                     f"schedule step(s) of {e.shard_group} owner(s) per layer pass; step {e.step_fitted_s:.3f} s "
+                     f"with TSP's fitted fixed cost ({e.fixed_s:.3f} s; ranking uses {e.step_s:.3f} s)")
     return lines
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Hardware", "HARDWARE_PRESETS", "get_hardware", "GiB", "GB", "INTRA_LATENCY_S", "INTER_LATENCY_S",
-           "ALL_TO_ALL_LATENCY_S", "HOST_SYNC_S", "DISPATCH_PASS_S"]
+           "ALL_TO_ALL_LATENCY_S", "HOST_SYNC_S", "DISPATCH_PASS_S",
+           "TSP_STEP_PASS_S"]
 
 GiB = 2**30
 GB = 10**9
@@ -29,6 +30,12 @@ HOST_SYNC_S = 50e-6  # one device-to-host read the host waits for (.tolist() of 
 # per MoE layer at 32K with full checkpointing: forward + recomputed forward + backward = 4 units of the row
 # sorting, gathers, count exchange and host syncs dispatch adds per pass (a backward pass counts twice).
 DISPATCH_PASS_S = 2.7e-3
+# MEASURED (H200, torch 2.11, fake process group, docs/cost-model.md "Step time"): TSP's compute-only step exceeds
+# its FLOP time by about 1 ms per broadcast-schedule step or ring hop of one layer (its forward, recomputed forward
+# and backward together: launches, the small per-shard elementwise kernels, host time). Fitted to the paper 7B at
+# D = 8, full checkpointing, 16K-64K (residual 0.98 / 1.04 / 1.15 ms per unit); at 128K the GPU-bound step hides
+# part of it (0.71). A backward pass counts twice: a quarter of it per pass.
+TSP_STEP_PASS_S = 1.0e-3 / 4
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 
 from . import collectives as C
 from .flops import training_flops
-from .hardware import ALL_TO_ALL_LATENCY_S, HOST_SYNC_S, INTER_LATENCY_S, INTRA_LATENCY_S, Hardware
+from .grouping import step_kv_heads
+from .hardware import (ALL_TO_ALL_LATENCY_S, HOST_SYNC_S, INTER_LATENCY_S, INTRA_LATENCY_S, TSP_STEP_PASS_S,
+                       Hardware)
 from .model import ModelShape
 from .moe import choose_expert_schedule, crossover_tokens
 from .precision import Precision
@@ -150,6 +152,14 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     expert_schedule: str | None = None  # TSP on an MoE model: "ring" or "dispatch"
     shard_group: int | None = None  # TSP: owners per broadcast-schedule step ("auto" as the model resolves it)
+    fixed_s: float = 0.0  # TSP: fitted fixed cost beyond the FLOPs (tsp_fixed_s); not in step_s, see step_fitted_s
+
+    @property
+    def step_fitted_s(self) -> float:
+        """The step with TSP's fitted fixed cost (launches, small kernels, host time) added to its compute. The
+        ranking keeps ``step_s``: the other strategies' fixed costs are not modelled, and adding TSP's alone
+        would rank the strategies on different bases."""
+        return max(self.compute_s + self.fixed_s, self.comm_overlap_s) + self.comm_exposed_s
 
     @property
     def peak_bytes(self) -> float:
@@ -272,7 +282,7 @@ LM_HEAD_TOKEN_CHUNK = 4096  # tokens per logit block in TSP's ring cross-entropy
 
 
 def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, checkpointing: str,
-                     expert_schedule: str | None = None) -> dict[str, float]:
+                     expert_schedule: str | None = None, shard_group: int | str = "auto") -> dict[str, float]:
     """Peak bytes on one GPU and its parts.
 
     train_peak = weights + compute_copy + optimizer
@@ -335,14 +345,17 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
         logits_bytes = min(T_loc, LM_HEAD_TOKEN_CHUNK) * -(-V // D) * (4 + 4 + a)
         if D > 1:
             A = C.tsp_attn_shard_numel(shape, D)
-            kv = C.tsp_kv_gather_numel(shape, B, S, D)
+            sg = C.resolve_shard_group(shape, B, S, D, a, shard_group)  # owners per broadcast-schedule step
+            _, kv_own = C.tsp_local_heads(shape, D)
+            kv_step = step_kv_heads(sg, kv_own, D // C.tsp_kv_groups(shape, D))
+            kv = C.tsp_kv_gather_numel(shape, B, S, D) * kv_step // kv_own  # one step's gathered K/V
             Vs = C.tsp_vocab_shard_numel(shape, D)
             g = C.G_BYTES
-            # attention (backward is the larger phase): own packed shard + the one computing + the next in flight
-            # (3 A, compute dtype), the fp32 weight-grad partial being reduced + the own result (2 A fp32), the
-            # gathered K/V of one head group (compute dtype), fp32 dK/dV in gather order (reduce-scattered in
-            # place) and the kernel's dK/dV output of one call (compute dtype)
-            attn_tr = 3 * A * w + 2 * A * g + kv * a + kv * g + kv * a
+            # attention (backward is the larger phase): own packed shard + the step's shards computing + the next
+            # step's in flight (A + 2 sg A, compute dtype), the step's fp32 weight-grad partials being reduced +
+            # the own result ((sg + 1) A fp32), the step's gathered K/V (compute dtype), fp32 dK/dV in gather
+            # order (reduce-scattered in place) and the kernel's dK/dV output of one call (compute dtype)
+            attn_tr = (1 + 2 * sg) * A * w + (sg + 1) * A * g + kv * a + kv * g + kv * a
             # MLP ring: own packed shard + current + next (3 M) and, in backward, the fp32 accumulator + the one
             # arriving (2 M fp32)
             ring = lambda M: 3 * M * w + 2 * M * g
@@ -516,6 +529,16 @@ def _comm_time(e: CommEntry, hw: Hardware, n_layers: int) -> float:
     return e.occurrences(n_layers) * (e.wire / bw + e.calls * lat)
 
 
+def tsp_fixed_s(shape: ModelShape, D: int, shard_group: int, checkpointing: str) -> float:
+    """TSP's fixed cost per training step beyond its FLOPs: ``TSP_STEP_PASS_S`` per broadcast-schedule step
+    (D / shard_group) and ring hop (D) of each layer and pass (forward, backward counted twice, and the recomputed
+    forward unless ``checkpointing="none"``)."""
+    if D == 1:
+        return 0.0
+    passes = 3 if checkpointing == "none" else 4
+    return shape.n_layers * passes * (D // shard_group + D) * TSP_STEP_PASS_S
+
+
 def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: int, S: int,
              checkpointing: str = "full", overlap: bool = True, headroom: float = 0.9) -> Estimate:
     """Memory, communication, FLOPs and an estimated step time (one micro-batch per replica, no gradient
@@ -538,15 +561,16 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
     slow = 1 if p.compute == 2 else 2  # fp32 compute: assume TF32 tensor cores at half the bf16 rate
     compute_s = slow * (flops["hardware_matmul"] / hw.sustained_flops
                         + flops["hardware_attention"] / hw.attention_flops)
+    group = C.resolve_shard_group(shape, B, S, layout.tsp, p.compute, "auto") if layout.strategy == "tsp" else None
+    fixed = tsp_fixed_s(shape, layout.tsp, group, checkpointing) if group is not None else 0.0
     ov = sum(_comm_time(e, hw, shape.n_layers) for e in comm if e.overlap and overlap)
     ex = sum(_comm_time(e, hw, shape.n_layers) for e in comm if not (e.overlap and overlap))
     if schedule is not None and layout.tsp > 1:  # host syncs on routing counts: 1 (ring) or 2 (dispatch) per
         runs = 1 if checkpointing == "none" else 2  # MoE forward, which checkpointing re-runs in backward
         ex += shape.n_moe_layers * runs * (1 if schedule == "ring" else 2) * HOST_SYNC_S
     step = max(compute_s, ov) + ex
-    group = C.resolve_shard_group(shape, B, S, layout.tsp, p.compute, "auto") if layout.strategy == "tsp" else None
     return Estimate(layout, shape, hw, p, B, S, checkpointing, mem, comm, flops, compute_s, ov, ex, step,
-                    headroom, expert_schedule=schedule, shard_group=group)
+                    headroom, expert_schedule=schedule, shard_group=group, fixed_s=fixed)
 
 
 def _moe_args(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision) -> dict:
