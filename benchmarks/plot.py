@@ -27,7 +27,9 @@ def load(paths: list[str]) -> list[dict]:
     for p in paths:
         for line in Path(p).read_text().splitlines():
             if line.strip():
-                rows.append(json.loads(line))
+                row = json.loads(line)
+                if "strategy" in row:  # training rows (inference rows share the folder)
+                    rows.append(row)
     return rows
 
 
