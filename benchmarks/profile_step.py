@@ -1,6 +1,7 @@
 """Where a training step's time goes: one harness configuration (benchmarks.harness options), one warm-up
 step, one step under torch.profiler. Prints the GPU kernels by total time, the GPU busy time against the wall
-time (the difference is time the GPU waited for the host), and the kernel count.
+time (the difference is time the GPU waited for the host), and the kernel count; with ``--ops N`` also the N aten
+ops with the most GPU time by input shapes and by source lines (where the time comes from).
 
     python -m benchmarks.profile_step --strategy tsp --model paper-7b --layers 2 --seq-len 131072 --world 8
 
@@ -19,11 +20,15 @@ from benchmarks import harness
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = 25
-    if "--top" in argv:
-        i = argv.index("--top")
-        top = int(argv[i + 1])
-        del argv[i : i + 2]
+    top, ops = 25, 0
+    for flag in ("--top", "--ops"):  # --ops N: also the N aten ops with the most GPU time, by shape and by source
+        if flag in argv:
+            i = argv.index(flag)
+            if flag == "--top":
+                top = int(argv[i + 1])
+            else:
+                ops = int(argv[i + 1])
+            del argv[i : i + 2]
     args = harness.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
@@ -46,7 +51,8 @@ def main(argv=None) -> None:
         runner.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=ops > 0,
+                 with_stack=ops > 0) as prof:
         runner.step()
         torch.cuda.synchronize()
     per_kernel = defaultdict(lambda: [0.0, 0])
@@ -71,6 +77,11 @@ def main(argv=None) -> None:
     print("| --- | --- | --- | --- |")
     for name, (t, c) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"| {name[:110]} | {t / 1e3:.1f} | {c} | {t / total:.1%} |")
+    if ops:
+        sort = "self_device_time_total"
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=ops, max_name_column_width=40,
+                                                                 max_shapes_column_width=100))
+        print(prof.key_averages(group_by_stack_n=6).table(sort_by=sort, row_limit=ops, max_src_column_width=200))
     dist.destroy_process_group()
 
 

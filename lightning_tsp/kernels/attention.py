@@ -323,7 +323,8 @@ class CudnnSplitAttention(AttentionKernel):
             return own_o, own_lse
         pre_o, pre_lse = _cudnn_attention(q, _expand_heads(k_pre, hq), _expand_heads(v_pre, hq), False)
         lse = torch.logaddexp(own_lse, pre_lse)
-        o = own_o.float() * torch.exp(own_lse - lse).unsqueeze(-1) + pre_o.float() * torch.exp(pre_lse - lse).unsqueeze(-1)
+        o = own_o * torch.exp(own_lse - lse).unsqueeze(-1)  # fp32 (bf16 * fp32 promotes: no cast kernels)
+        o.addcmul_(pre_o, torch.exp(pre_lse - lse).unsqueeze(-1))
         return o.to(q.dtype), lse
 
     def bottom_right(self, q, k, v):

@@ -42,7 +42,7 @@ from torch import Tensor
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.grouped import ExpertGroups
-from lightning_tsp.layers.mlp import TSPGatedMLP
+from lightning_tsp.layers.mlp import TSPGatedMLP, swiglu_backward
 from lightning_tsp.schedules.comm import SumGradOverGroup, SumOverGroup, local_tensor, pack, unpack
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
@@ -89,17 +89,9 @@ def experts_backward(groups: ExpertGroups, xs: Tensor, dys: Tensor, ws: Tensor, 
     Writes the input gradients ``dx_out`` [n, h] and the combination-weight gradients ``dw_out`` [n]; adds the
     weight gradients into ``acc_gu`` [G, 2F, h] and ``acc_d`` [G, h, F] (fp32) in place.
     """
-    f = w_d.shape[2]
-    gate, up = gu[:, :f], gu[:, f:]
-    sig = torch.sigmoid(gate)
-    act = gate * sig  # silu(gate)
-    hid = act * up  # [n, F] expert hidden activation
     d_hid = groups.nn(dys, w_d)  # [n, F] gradient of hid for a unit combination weight
+    d_gu, hid = swiglu_backward(gu, d_hid * ws)  # hid [n, F]: the expert hidden activation
     dw_out.copy_((d_hid * hid).sum(-1, dtype=dw_out.dtype))  # d y / d weight = expert output
-    d_hid = d_hid * ws
-    d_gu = torch.empty_like(gu)
-    torch.mul(d_hid * up, sig * (1 + gate * (1 - sig)), out=d_gu[:, :f])
-    torch.mul(d_hid, act, out=d_gu[:, f:])
     groups.nn(d_gu, w_gu, out=dx_out)  # [n, h], one GEMM for both input gradients
     groups.tn_add_(acc_gu, d_gu, xs)  # [G, 2F, h]
     groups.tn_add_(acc_d, dys * ws, hid)  # [G, h, F]
