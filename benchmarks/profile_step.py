@@ -20,15 +20,13 @@ from benchmarks import harness
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    top, ops = 25, 0
-    for flag in ("--top", "--ops"):  # --ops N: also the N aten ops with the most GPU time, by shape and by source
+    counts = {"--top": 25, "--ops": 0}  # --ops N: also the N aten ops with the most GPU time, by shape and source
+    for flag in counts:
         if flag in argv:
             i = argv.index(flag)
-            if flag == "--top":
-                top = int(argv[i + 1])
-            else:
-                ops = int(argv[i + 1])
+            counts[flag] = int(argv[i + 1])
             del argv[i : i + 2]
+    top, ops = counts["--top"], counts["--ops"]
     args = harness.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch

@@ -22,8 +22,8 @@ from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, DocumentMask, select_attention_kernel
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
-from lightning_tsp.planning.grouping import choose_shard_group, valid_shard_groups
-from lightning_tsp.schedules.broadcast import GroupReduce, broadcast_shards, gather_shard_groups, reduce_to_owner
+from lightning_tsp.planning.grouping import choose_shard_group, step_kv_heads, valid_shard_groups
+from lightning_tsp.schedules.broadcast import GroupReduce, gather_shard_groups
 from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
 from lightning_tsp.schedules.comm import (
     all_gather,
@@ -274,11 +274,6 @@ class HeadLayout:
 
     # ---- shard grouping: g consecutive owners run as one owner of a g times larger head group ----------------
 
-    def valid_group(self, g: int, tsp_size: int) -> bool:
-        """g owners can run as one: g divides D and nests with the KV replicas (g | r or r | g)."""
-        r = self.kv_replicas
-        return g >= 1 and tsp_size % g == 0 and (g % r == 0 or r % g == 0)
-
     def _kv_step(self, g: int) -> int:
         return min(g, self.kv_replicas)  # consecutive owners of a group that hold the same KV head
 
@@ -287,8 +282,8 @@ class HeadLayout:
         (a replicated KV head is read from the first of its owners; the copies are equal)."""
         if g == 1:
             return self
-        return HeadLayout(self.hidden, g * self.n_heads, g * self.n_kv_heads // self._kv_step(g), self.head_dim,
-                          self.bias, max(1, self.kv_replicas // g))
+        return HeadLayout(self.hidden, g * self.n_heads, step_kv_heads(g, self.n_kv_heads, self.kv_replicas),
+                          self.head_dim, self.bias, max(1, self.kv_replicas // g))
 
     def _piece_kinds(self) -> list[str]:
         return ["q", "kv", "kv", "o"] + (["q", "kv", "kv"] if self.bias else [])
@@ -305,6 +300,8 @@ class HeadLayout:
 
     def regroup(self, shards: Tensor, g: int) -> Tensor:
         """Owners' packed shards [g, numel] -> the grouped head group's packed shard [grouped(g).numel]."""
+        if g == 1:
+            return shards[0]
         out = shards.new_empty(self.grouped(g).numel)
         step = self._kv_step(g)
         h, q = self.hidden, self.q_rows
@@ -320,6 +317,8 @@ class HeadLayout:
     def ungroup(self, grad: Tensor, g: int) -> Tensor:
         """Transpose of :meth:`regroup` for gradients: the grouped shard's [grouped(g).numel] -> the owners'
         [g, numel]; each replica of a KV head gets that head's whole gradient."""
+        if g == 1:
+            return grad.view(1, -1)
         out = grad.new_empty(g, self.numel)
         step = self._kv_step(g)
         h, q = self.hidden, self.q_rows
@@ -530,30 +529,9 @@ def _unflatten_saved(flat, n_owners: int, n_groups: int, n_buckets: int):
 
 def schedule_shards(spec: _AttnSpec, shard: Tensor) -> Iterator[tuple[int, Tensor]]:
     """Per step J of the broadcast schedule, the packed shard of its head group (:attr:`_AttnSpec.step_layout`):
-    owner J's own shard, or with shard grouping the g owners' shards regrouped into one."""
-    if spec.group == 1:
-        yield from broadcast_shards(spec.tsp, shard)
-        return
+    owner J's shard, or with shard grouping the g owners' shards regrouped into one."""
     for jg, shards in gather_shard_groups(spec.tsp, shard, spec.group):
         yield jg, spec.layout.regroup(shards, spec.group)
-
-
-class _StepReduce:
-    """Each step's weight-gradient partial (step layout, fp32) back to its owner(s); :meth:`result` is this rank's
-    d shard in its own layout."""
-
-    def __init__(self, spec: _AttnSpec):
-        self.spec = spec
-        self.reduce = reduce_to_owner(spec.tsp) if spec.group == 1 else GroupReduce(spec.tsp, spec.group)
-
-    def submit(self, j: int, partial: Tensor) -> None:
-        if self.spec.group == 1:
-            self.reduce.submit(j, partial)
-        else:
-            self.reduce.submit(j, self.spec.layout.ungroup(partial, self.spec.group))
-
-    def result(self) -> Tensor:
-        return self.reduce.result()
 
 
 def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor, norms: list[Tensor], *,
@@ -660,7 +638,7 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
     kv_grads = torch.zeros(tsp.size // own.kv_replicas, own.kv_numel, dtype=acc_dtype, device=x.device) \
         if replicated else None
     nq, nkv = lay.n_heads, lay.n_kv_heads
-    owner = _StepReduce(spec)
+    owner = GroupReduce(tsp, spec.group)  # each step's partial back to its owner(s), in their layout
     kv: GatheredKV | None = None
     dg_acc: list[Tensor | None] = []
     for j, buf in schedule_shards(spec, shard):
@@ -706,7 +684,7 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
             for t in (w, bias):
                 if t is not None:
                     t.zero_()
-        owner.submit(j, partial)
+        owner.submit(j, own.ungroup(partial, spec.group))
     d_shard = owner.result()
     if replicated:  # one all-reduce: every replica of a KV head gets the same bits
         all_reduce_sum(kv_grads, tsp)
