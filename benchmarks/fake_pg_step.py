@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_tsp import TSPGroup, TSPLlama
-from lightning_tsp.models.llama import get_config
+from lightning_tsp.models.llama import CHECKPOINTING_MODES, get_config
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--tsp-size", type=int, default=8)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    ap.add_argument("--checkpointing", default="full", choices=["none", "selective", "full", "offload"])
+    ap.add_argument("--checkpointing", default="full", choices=CHECKPOINTING_MODES)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
 

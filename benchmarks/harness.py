@@ -31,6 +31,7 @@ from pathlib import Path
 
 from benchmarks.runner import (Deadline, append_jsonl, first_line, fmt, is_oom, jsonl_path, md_table, parse_seq,
                                run_config, seq_label, write_text)
+from lightning_tsp.planning import CHECKPOINTING
 
 STRATEGIES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "fsdp_cp")
 EXCLUDED = "all communication (fake process group: collectives return at once)"
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=0, help="the rank this GPU plays")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
-    ap.add_argument("--checkpointing", choices=("none", "selective", "full", "offload"), default="full",
+    ap.add_argument("--checkpointing", choices=CHECKPOINTING, default="full",
                     help="selective, offload: TSP only (keep attention and re-run norm + MLP ring; full with the "
                          "layer inputs in pinned host memory)")
     ap.add_argument("--kv-bucket-heads", type=int, help="TSP: KV heads gathered at once (head bucketing)")

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
+from lightning_tsp.planning import CHECKPOINTING
 from benchmarks.runner import (Deadline, append_jsonl, first_line, fmt, is_oom, is_oom_text, jsonl_path,
                                last_error_line, md_table, parse_seq, run, seq_label, write_json, write_text)
 
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--micro-batch", type=int, default=1)
     g.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
     g.add_argument("--checkpointing", choices=("none", "full"), default="full")
-    g.add_argument("--tsp-checkpointing", choices=("none", "selective", "full", "offload"), default="offload",
+    g.add_argument("--tsp-checkpointing", choices=CHECKPOINTING, default="offload",
                    help="TSP rows' activation checkpointing: offload (default; TSP's leanest and, at long context, "
                         "fastest mode: layer inputs and attention outputs in pinned host memory) or as the rivals")
     g.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.metrics import Perplexity
-from lightning_tsp.models.llama import CHECKPOINTING_MODES, ModelConfig, TSPLlama, get_config
+from lightning_tsp.models.llama import CHECKPOINTING_MODES, CheckpointingMode, ModelConfig, TSPLlama, get_config
 from lightning_tsp.zigzag import IGNORE_INDEX
 
 
@@ -61,8 +61,9 @@ class TSPLanguageModel(LightningModule):
         config: a full ``ModelConfig`` instead of ``preset`` + ``overrides``.
         attention_kernel: ``auto`` | ``flash`` | ``cudnn`` | ``sdpa`` | ``math`` (see ``lightning_tsp.kernels``).
         activation_checkpointing: ``none``, ``selective`` (keep attention, recompute norm + MLP ring), ``full``
-            (recompute each layer's forward in backward) or ``offload`` (``full`` with the layer inputs and the
-            attention outputs in pinned host memory; the recomputation skips the attention).
+            (recompute each layer's forward in backward), ``keep-attention`` (``full`` that also keeps the
+            attention outputs on the GPU: the recomputation skips the attention) or ``offload`` (``full`` with the
+            layer inputs and the attention outputs in pinned host memory; the recomputation skips the attention).
         token_chunk: tokens per chunk of the vocab-sharded LM head (the full [L, V] logits never exist).
         kv_bucket_heads: KV heads whose full-sequence K/V are gathered at once (head bucketing; ``None``: all of
             a head group's). ``1`` keeps the gathered K/V smallest at very long contexts.
@@ -85,7 +86,7 @@ class TSPLanguageModel(LightningModule):
         overrides: Optional[dict[str, Any]] = None,
         config: Optional[ModelConfig] = None,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
+        activation_checkpointing: CheckpointingMode = "none",
         token_chunk: int = 4096,
         kv_bucket_heads: Optional[int] = None,
         shard_group: Union[int, str] = "auto",

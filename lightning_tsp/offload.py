@@ -1,13 +1,18 @@
-"""Full activation checkpointing with what it keeps in pinned host memory.
+"""Full activation checkpointing that replays the attention kernels' outputs instead of re-running them.
 
-At very long contexts the fp32 layer inputs that full checkpointing keeps are the largest thing on the GPU
-(S/D x h x 4 bytes per layer: 137 GB for the paper's 7B at 2M tokens, D = 8). ``checkpointing="offload"`` copies
-each layer's input, and the attention kernels' outputs (o and the log-sum-exp of every head group, S/D x h x 2
-bytes), to pinned host memory on a side stream during the forward (overlapping the next layer), and brings them
-back at the start of that layer's backward, where the layer is re-run under autograd and differentiated in place
-(a reentrant checkpoint: parameter gradients accumulate as in any backward). The re-run reuses the attention
-outputs, so it issues no K/V all-gather and no attention kernel: the recomputation costs only the GEMMs and the
-weight traffic. Same function, same gradients as ``full``; the GPU keeps no per-layer activation.
+Plain ``full`` checkpointing keeps each layer's input and re-runs the whole layer in backward, K/V all-gathers and
+attention kernels included: at long contexts the attention forward is the largest part of that recomputation.
+Two modes keep, beside the layer input, the attention kernels' outputs (o and the log-sum-exp of every head
+group, S/D x h x 2 bytes per layer in bf16, half the fp32 layer input), so that the re-run issues no K/V
+all-gather and no attention kernel and costs only the GEMMs and the weight traffic:
+
+- ``"keep-attention"``: both stay on the GPU (1.5x ``full``'s saved activations; no host memory).
+- ``"offload"``: both are copied to pinned host memory on a side stream during the forward (overlapping the next
+  layer) and the GPU keeps no per-layer activation. Backward brings the next layer's tensors back on the side
+  stream while the current layer is differentiated (:class:`StashChain`), so the copies hide behind compute.
+
+At the start of a layer's backward the layer is re-run under autograd and differentiated in place (a reentrant
+checkpoint: parameter gradients accumulate as in any backward). Same function, same gradients as ``full``.
 """
 
 from __future__ import annotations
@@ -29,14 +34,29 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _COPY_STREAMS[device]
 
 
+class _Kept:
+    """A tensor kept where it is (``keep-attention``)."""
+
+    def __init__(self, t: Tensor):
+        self.t, self.requires_grad = t.detach(), t.requires_grad
+
+    def prefetch(self) -> None:
+        pass
+
+    def restore(self) -> Tensor:
+        return self.t
+
+
 class _HostCopy:
-    """A device tensor's copy in (pinned) host memory, made on a side stream without blocking the compute."""
+    """A device tensor's copy in (pinned) host memory, made on a side stream without blocking the compute, and
+    brought back on that stream ahead of use (:meth:`prefetch`)."""
 
     def __init__(self, t: Tensor):
         self.device, self.requires_grad = t.device, t.requires_grad
         t = t.detach()
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        self.done = None
+        self.back: Tensor | None = None
+        self.done = None  # the event after which the copy (to host, then back) is complete
         if t.is_cuda:
             stream = _copy_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -48,10 +68,37 @@ class _HostCopy:
         else:
             self.host.copy_(t)
 
+    def prefetch(self) -> None:
+        """Start the copy back to the device (on the side stream, after the copy to host)."""
+        if self.back is not None:
+            return
+        if self.done is None:  # CPU
+            self.back = self.host.to(self.device)
+            return
+        with torch.cuda.stream(_copy_stream(self.device)):
+            self.back = self.host.to(self.device, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
     def restore(self) -> Tensor:
+        self.prefetch()
+        back, self.back, self.host = self.back, None, None
         if self.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.done)
-        return self.host.to(self.device, non_blocking=True)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.done)
+            back.record_stream(current)  # allocated on the side stream, used (and freed) on the compute stream
+        return back
+
+
+class StashChain:
+    """The stashes of one forward pass, in layer order. A layer's backward prefetches the stash of the layer
+    before it (the next backward), so its host-to-device copies overlap this layer's recomputation."""
+
+    def __init__(self, place: str):
+        if place not in ("device", "host"):
+            raise ValueError(f"place={place!r}: choose 'device' or 'host'")
+        self.keep = _Kept if place == "device" else _HostCopy
+        self.stashes: list[list | None] = []
 
 
 @contextlib.contextmanager
@@ -71,21 +118,23 @@ def _tensors(out) -> tuple[Tensor | None, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-class OffloadedCheckpoint(torch.autograd.Function):
-    """``layer(x, *args)`` without saving anything on the device; see the module docstring. The layer returns a
-    tensor or a tuple of tensors / None (a decoder layer's ``(x, router_stats)``)."""
+class StashedCheckpoint(torch.autograd.Function):
+    """``layer(x, *args)`` keeping only x and the attention outputs (where ``chain`` says); see the module
+    docstring. The layer returns a tensor or a tuple of tensors / None (a decoder layer's ``(x, router_stats)``)."""
 
     @staticmethod
-    def forward(ctx, layer: nn.Module, x: Tensor, *args: Tensor):
+    def forward(ctx, layer: nn.Module, chain: StashChain, x: Tensor, *args: Tensor):
         dev = x.device.type
-        ctx.layer = layer
+        ctx.layer, ctx.chain = layer, chain
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
             else (False, None)
         stash = AttentionStash()
         with torch.no_grad(), _stashing(layer, stash):
             y = layer(x, *args)
-        ctx.x = _HostCopy(x)
-        ctx.stash = [tuple(None if t is None else _HostCopy(t) for t in item) for item in stash.items]
+        # [x, then every attention output and log-sum-exp in order]: what the re-run replays
+        kept = [chain.keep(x)] + [None if t is None else chain.keep(t) for item in stash.items for t in item]
+        ctx.index = len(chain.stashes)
+        chain.stashes.append(kept)
         ctx.tensor_args = [isinstance(a, Tensor) for a in args]  # others (e.g. a Documents) are inputs kept as is
         ctx.other_args = [a for a in args if not isinstance(a, Tensor)]
         ctx.save_for_backward(*[a for a in args if isinstance(a, Tensor)])
@@ -95,11 +144,17 @@ class OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx, *grads: Tensor):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.other_args)
         args = [next(tensors) if is_tensor else next(others) for is_tensor in ctx.tensor_args]
-        x = ctx.x.restore().requires_grad_(ctx.x.requires_grad)
+        chain = ctx.chain
+        kept, chain.stashes[ctx.index] = chain.stashes[ctx.index], None
+        restored = [None if k is None else k.restore() for k in kept]
+        if ctx.index > 0 and chain.stashes[ctx.index - 1] is not None:  # the next backward's, in flight now
+            for k in chain.stashes[ctx.index - 1]:
+                if k is not None:
+                    k.prefetch()
+        x = restored[0].requires_grad_(kept[0].requires_grad)
         stash = AttentionStash()
-        stash.items = [tuple(None if t is None else t.restore() for t in item) for item in ctx.stash]
+        stash.items = list(zip(restored[1::2], restored[2::2]))
         stash.replaying = True
-        ctx.x = ctx.stash = None
         dev = x.device.type
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), _stashing(ctx.layer, stash):
@@ -107,10 +162,11 @@ class OffloadedCheckpoint(torch.autograd.Function):
         assert not stash.items, "the recomputation did not replay every attention output"
         pairs = [(t, g) for t, g in zip(_tensors(y), grads) if t is not None and g is not None and t.requires_grad]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        return (None, x.grad if ctx.needs_input_grad[1] else None) + (None,) * len(args)
+        return (None, None, x.grad if ctx.needs_input_grad[2] else None) + (None,) * len(args)
 
 
-def offloaded_checkpoint(layer: nn.Module, x: Tensor, *args: Tensor):
+def stashed_checkpoint(layer: nn.Module, chain: StashChain, x: Tensor, *args: Tensor):
+    """``layer(x, *args)``, checkpointed with its attention outputs kept where ``chain`` keeps them."""
     if not torch.is_grad_enabled():
         return layer(x, *args)
-    return OffloadedCheckpoint.apply(layer, x, *args)
+    return StashedCheckpoint.apply(layer, chain, x, *args)

@@ -138,6 +138,7 @@ def _worker(rank: int, world_size: int) -> None:
     check_case(shapes_for(world_size, True), "selective")
     # layer inputs in host memory; batch 1 (the K/V exchange's in-place path, no transposing copy)
     check_case(shapes_for(world_size, True), "offload", b=1)
+    check_case(shapes_for(world_size, True), "keep-attention")  # the same replay, the stash left on the device
     # head bucketing: the 2 local KV heads gathered one at a time
     bucketed = dataclasses.replace(shapes_for(world_size, True), n_heads=4 * world_size, n_kv_heads=2 * world_size,
                                    hidden_size=32 * world_size)

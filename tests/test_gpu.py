@@ -117,21 +117,23 @@ def test_model_bf16_autocast_matches_fp64_cpu_reference(name):
 
 
 def test_offload_checkpointing_equals_full_on_gpu():
-    """checkpointing="offload" (layer inputs and attention outputs in pinned host memory, the recomputation
-    replaying the attention outputs) gives full checkpointing's loss and gradients under bf16 autocast."""
+    """checkpointing="offload" (layer inputs and attention outputs in pinned host memory, brought back on a side
+    stream one layer ahead, the recomputation replaying the attention outputs) and "keep-attention" (the same
+    kept on the GPU) give full checkpointing's loss and gradients under bf16 autocast."""
     cfg = ModelConfig(vocab_size=512, hidden_size=512, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=1024)
     ids = torch.randint(0, cfg.vocab_size, (1, 2048), generator=torch.Generator().manual_seed(0)).cuda()
     results = []
-    for mode in ("full", "offload"):
+    for mode in ("full", "offload", "keep-attention"):
         model = TSPLlama(cfg, TSPGroup.single(), activation_checkpointing=mode, dtype=torch.float32).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(*model.shard_batch(ids))
         loss.backward()
         results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (loss_full, g_full), (loss_off, g_off) = results
-    assert abs(loss_off - loss_full) <= 1e-6 * abs(loss_full)
-    for n in g_full:
-        assert rel_err(g_off[n], g_full[n]) < 1e-5, n
+    (loss_full, g_full), *others = results
+    for loss_off, g_off in others:
+        assert abs(loss_off - loss_full) <= 1e-6 * abs(loss_full)
+        for n in g_full:
+            assert rel_err(g_off[n], g_full[n]) < 1e-5, n
 
 
 def test_flex_document_kernel_matches_cpu_math():

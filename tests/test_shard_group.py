@@ -26,6 +26,7 @@ def _worker(rank: int, world_size: int) -> None:
         check_case(gqa, "full", shard_group=g)
         check_case(shapes_for(d, False), "none", b=1, shard_group=g)
         check_case(gqa, "offload", b=1, shard_group=g)
+        check_case(gqa, "keep-attention", shard_group=g)
         bucketed = dataclasses.replace(gqa, n_heads=4 * d, n_kv_heads=2 * d, hidden_size=32 * d)
         check_case(bucketed, "selective", kv_bucket_heads=1, shard_group=g)
         check_case(dataclasses.replace(gqa, attention_bias=True), "none", shard_group=g)

@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers.rope import validate_rope_scaling
-from lightning_tsp.models.llama import ModelConfig, TSPLlama
+from lightning_tsp.models.llama import CheckpointingMode, ModelConfig, TSPLlama
 from lightning_tsp.schedules.comm import local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX
 
@@ -257,7 +257,7 @@ class TSPCausalLM(TSPLlama):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
+        activation_checkpointing: CheckpointingMode = "none",
         token_chunk: int = 4096,
     ) -> "TSPCausalLM":
         """Build from a LOCAL Hugging Face directory (config.json + *.safetensors), reading only this rank's slices.

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.kernels.fused import fused_on_cuda
 
 
 def _expand_kv(k: Tensor, n_heads: int) -> Tensor:
@@ -322,10 +323,7 @@ class CudnnSplitAttention(AttentionKernel):
         if k_pre is None:
             return own_o, own_lse
         pre_o, pre_lse = _cudnn_attention(q, _expand_heads(k_pre, hq), _expand_heads(v_pre, hq), False)
-        lse = torch.logaddexp(own_lse, pre_lse)
-        o = own_o * torch.exp(own_lse - lse).unsqueeze(-1)  # fp32 (bf16 * fp32 promotes: no cast kernels)
-        o.addcmul_(pre_o, torch.exp(pre_lse - lse).unsqueeze(-1))
-        return o.to(q.dtype), lse
+        return merge_pieces(own_o, own_lse, pre_o, pre_lse, q.dtype)
 
     def bottom_right(self, q, k, v):
         lq, lk = q.shape[2], k.shape[2]
@@ -456,10 +454,12 @@ def _prefix_document_mask_mod(q_lo: Tensor, k_pre: Tensor):
     return mask_mod
 
 
+@fused_on_cuda
 def merge_pieces(own_o: Tensor, own_lse: Tensor, pre_o: Tensor, pre_lse: Tensor, dtype: torch.dtype):
-    """One fp32 (fp64 stays fp64) log-sum-exp merge of the own-chunk piece and the prefix piece. The own piece
-    always has a visible key (the diagonal); a prefix row without one (lse -inf) gets exactly the own piece, with
-    finite gradients (its weight is selected, not computed, so no inf - inf and no 0 * NaN reaches autograd)."""
+    """One fp32 (fp64 stays fp64) log-sum-exp merge of the own-chunk piece and the prefix piece (one compiled
+    kernel on CUDA). The own piece always has a visible key (the diagonal); a prefix row without one (lse -inf)
+    gets exactly the own piece, with finite gradients (its weight is selected, not computed, so no inf - inf and
+    no 0 * NaN reaches autograd)."""
     acc = torch.promote_types(own_lse.dtype, torch.float32)
     own_lse, pre_lse = own_lse.to(acc), pre_lse.to(acc)
     lse = torch.logaddexp(own_lse, pre_lse)

@@ -8,7 +8,7 @@ plain unsharded model and issues no collective.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMH
 from lightning_tsp.layers.attention import Documents
 from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_loss
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
-from lightning_tsp.offload import offloaded_checkpoint
+from lightning_tsp.offload import StashChain, stashed_checkpoint
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX, document_starts, shard_batch
 
@@ -104,7 +104,9 @@ class ModelConfig:
         return self.num_params() - idle * self.moe_intermediate_size
 
 
-CHECKPOINTING_MODES = ("none", "selective", "full", "offload")
+CheckpointingMode = Literal["none", "selective", "full", "keep-attention", "offload"]
+CHECKPOINTING_MODES: tuple[str, ...] = get_args(CheckpointingMode)
+STASHED_MODES = ("keep-attention", "offload")  # full checkpointing that replays the attention outputs
 
 _PRESET_ARGS: dict[str, dict] = {
     # CPU tests and the quick-start demo (byte-level vocabulary).
@@ -208,7 +210,7 @@ class TSPLlama(nn.Module):
         tsp: TSPGroup | None = None,
         *,
         attention_kernel: str = "auto",
-        activation_checkpointing: Literal["none", "selective", "full", "offload"] = "none",
+        activation_checkpointing: CheckpointingMode = "none",
         token_chunk: int = 4096,
         kv_bucket_heads: int | None = None,
         shard_group: int | str = "auto",
@@ -356,12 +358,14 @@ class TSPLlama(nn.Module):
         if position_ids.dim() == 2:  # packed documents: positions restart inside the sequence
             documents = Documents(document_starts(position_ids, self.tsp.size, self.tsp.rank), self.tsp)
         router_stats = None
+        mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
+        # keep-attention / offload: the layer input and the attention outputs, on the GPU / in pinned host memory
+        chain = StashChain("host" if mode == "offload" else "device") if mode in STASHED_MODES else None
         for layer in self.model.layers:
-            mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
             if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
                 x, stats = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
-            elif mode == "offload":  # as full, the layer input waiting in pinned host memory
-                x, stats = offloaded_checkpoint(layer, x, cos, sin, documents)
+            elif chain is not None:  # as full, without re-running the K/V gathers and attention kernels
+                x, stats = stashed_checkpoint(layer, chain, x, cos, sin, documents)
             else:
                 x, stats = layer(x, cos, sin, documents, checkpoint_mlp=mode == "selective")
             if stats is not None:

@@ -47,7 +47,9 @@ OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
 ALL_OPS = OPS + ("all_to_all",)  # + expert dispatch's all_to_all_single (only in tallies that issue it)
 PHASES = ("forward", "backward")
 G_BYTES = 4  # gradient reductions are fp32
-CHECKPOINTING = ("none", "selective", "full", "offload")
+CHECKPOINTING = ("none", "selective", "full", "keep-attention", "offload")
+RECOMPUTING = ("full", "keep-attention", "offload")  # re-run each layer's forward in backward
+ATTENTION_REPLAYED = ("keep-attention", "offload")  # ... replaying the attention outputs (no K/V gather, no kernel)
 
 Tally = dict[str, dict[str, int]]  # phase -> op -> bytes (or calls)
 What = Literal["bytes", "calls"]
@@ -197,7 +199,8 @@ def tsp_moe_mlp_collectives(
     N*k*h rows in w_bytes out, N*k*h outputs in acc back), backward 2 (N*k*(h+1) [dy | weight] in w_bytes out,
     N*k*(h+1) [dx | d weight] in acc back); routing assumed balanced (the returned buffers hold N*k rows).
     Shared expert (F_s > 0): the dense MLP ring with M_s = 3 F_s h / D. Router: one fp32 all-reduce of its E*h
-    gradient in backward. "full", "offload" and "selective" checkpointing re-run the MoE forward in backward.
+    gradient in backward. "full", "keep-attention", "offload" and "selective" checkpointing re-run the MoE forward
+    in backward.
     """
     _check_what(what)
     if schedule not in ("ring", "dispatch"):
@@ -224,7 +227,7 @@ def tsp_moe_mlp_collectives(
     b["all_reduce"] += shape.router_params * G_BYTES if by else 1
     if not training:
         return {"forward": f, "backward": _empty()["backward"]}
-    if checkpointing in ("full", "offload", "selective"):  # the MoE block's forward re-runs inside backward
+    if checkpointing in RECOMPUTING + ("selective",):  # the MoE block's forward re-runs inside backward
         for op, v in f.items():
             b[op] = b.get(op, 0) + v
     return t
@@ -250,8 +253,8 @@ def tsp_layer_collectives(
     not saved), 2G dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad
     all-reduces of h fp32 (+ one of the replicated K/V weight gradients when G < D), D-1 MLP weight sends
     (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
-    backward (one more forward's worth); "offload" the same without the K/V all-gathers (the attention outputs are
-    replayed); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
+    backward (one more forward's worth); "keep-attention" and "offload" the same without the K/V all-gathers (the
+    attention outputs are replayed); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
     ``moe``: an MoE layer: the MLP ring's sends are replaced by :func:`tsp_moe_mlp_collectives` with
     ``expert_schedule``.
     ``shard_group`` (g, or ``"auto"`` as the model resolves it): g owners per broadcast-schedule step. The bytes
@@ -288,11 +291,11 @@ def tsp_layer_collectives(
         mlp = tsp_mlp_shard_numel(shape, D)
         b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
     out = add_tallies(fwd, bwd)
-    if checkpointing in ("full", "offload"):
+    if checkpointing in RECOMPUTING:
         recompute = fwd["forward"]
         for op, v in recompute.items():
-            # offload replays the attention outputs: its recomputation gathers no K/V (only the weights)
-            if checkpointing == "offload" and op == "all_gather_into_tensor":
+            # replayed attention outputs: the recomputation gathers no K/V (only the weights)
+            if checkpointing in ATTENTION_REPLAYED and op == "all_gather_into_tensor":
                 v = 0 if sg < D else (D * attn * w_bytes if by else 1)
             out["backward"][op] += v
     elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again

@@ -248,7 +248,8 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
     ``selective`` recomputes the norms (unless their output was gathered: that needs communication) and the
     SwiGLU elementwise ops (keeps 2 F-wide tensors); for TSP (``mlp_saved == 2``) it keeps the attention half and
     re-runs the second norm and the MLP ring from the block's input; ``full`` keeps only the layer input;
-    ``offload`` keeps that in host memory (nothing on the GPU).
+    ``keep-attention`` keeps it and the attention outputs (o in the compute dtype, an fp32 log-sum-exp per head);
+    ``offload`` keeps both in host memory (nothing on the GPU).
     """
     h, hd, a, r = shape.hidden_size, shape.hd, p.compute, p.residual
     norm_in = 2 * h * r * T_res  # both norms' inputs
@@ -266,6 +267,8 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
         saved = norm_in + (norm_out if norm_gathered else 0) + attn + 2 * F_loc * a * T_tok + kvg
     elif mode == "full":
         saved = h * r * T_res
+    elif mode == "keep-attention":
+        saved = h * r * T_res + q_heads * (hd * a + 4) * T_tok
     elif mode == "offload":  # full checkpointing with the layer input in pinned host memory
         saved = 0
     else:
@@ -448,7 +451,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
     T = B * S
     out: list[CommEntry] = []
     n_local = local_params(shape, layout)
-    full = mode in ("full", "offload")
+    full = mode in C.RECOMPUTING
 
     def E(phase, op, group, size, stride, nbytes, calls, overlap, per_layer, what, layers=None):
         if size > 1 and nbytes:
@@ -493,7 +496,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
         if s == "tp_x_sp":
             kv = 2 * T * _kv_local(shape.n_kv_heads, t) * shape.hd * a
             E("forward", "all_gather_into_tensor", "sp", sig, t, kv, 1, False, True, "K/V all-gather")
-            if full:
+            if mode == "full":  # the other recomputing modes replay the attention outputs
                 E("backward", "all_gather_into_tensor", "sp", sig, t, kv, 1, False, True, "K/V recompute")
             E("backward", "reduce_scatter_tensor", "sp", sig, t, kv, 1, False, True, "dK/dV reduce-scatter")
             E("forward", "all_reduce", "sp", sig, t, 16, 2, False, False, "loss")
@@ -504,7 +507,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
         sig = layout.sp
         kv = 2 * T * shape.kv_dim * a
         E("forward", "all_gather_into_tensor", "sp", sig, 1, kv, 1, False, True, "K/V all-gather")
-        if full:
+        if mode == "full":
             E("backward", "all_gather_into_tensor", "sp", sig, 1, kv, 1, False, True, "K/V recompute")
         E("backward", "reduce_scatter_tensor", "sp", sig, 1, kv, 1, False, True, "dK/dV reduce-scatter")
         E("forward", "all_reduce", "sp", sig, 1, 16, 2, False, False, "loss")
