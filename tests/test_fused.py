@@ -8,6 +8,7 @@ import torch
 from lightning_tsp.kernels.attention import merge_pieces
 from lightning_tsp.layers.attention import kv_block
 from lightning_tsp.layers.mlp import swiglu_backward
+from lightning_tsp.layers.norm import rms_norm
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward, rope_cos_sin
 
 B, L, NQ, NKV, D = 2, 24, 4, 2, 8
@@ -31,6 +32,23 @@ def _cases():
         "merge_pieces": (merge_pieces, (r(B, NQ, L, D), lse, r(B, NQ, L, D), pre_lse, torch.float64)),
         "swiglu_backward": (swiglu_backward, (gu, d_hid)),
     }
+
+
+def test_compiled_rms_norm_matches_eager_with_gradients():
+    """rms_norm runs compiled under autograd (the decoder layers' norms): output and both gradients."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(16, generator=g, dtype=torch.float64)
+    dy = torch.randn(3, 5, 16, generator=g, dtype=torch.float64)
+    results = []
+    torch._dynamo.reset()
+    for fn in (rms_norm.eager, torch.compile(rms_norm.eager, fullgraph=True)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi, 1e-6)
+        y.backward(dy)
+        results.append((y.detach(), xi.grad, wi.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))

@@ -7,11 +7,14 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
+from lightning_tsp.kernels.fused import fused_on_cuda
 from lightning_tsp.schedules.comm import SumGradOverGroup, local_tensor
 
 
+@fused_on_cuda
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """Hugging Face's LlamaRMSNorm arithmetic: normalise in (at least) fp32, cast back, then scale."""
+    """Hugging Face's LlamaRMSNorm arithmetic: normalise in (at least) fp32, cast back, then scale (on CUDA one
+    compiled kernel forward and one backward, instead of five and about eight)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
