@@ -239,6 +239,10 @@ def measure(args) -> dict:
 
 
 def base_row(args, cfg) -> dict:
+    from lightning_tsp.kernels.fused import MIN_FUSED_TOKENS, fusion_enabled
+
+    command = shlex.join(single_command(args))
+    fused = fusion_enabled()
     return {
         "strategy": args.strategy, "layout": "", "model": args.model, "layers": cfg.n_layers,
         "hidden": cfg.hidden_size, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.intermediate_size,
@@ -247,7 +251,10 @@ def base_row(args, cfg) -> dict:
         "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads,
         "shard_group": args.shard_group, "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
-        "excluded": EXCLUDED, "command": shlex.join(single_command(args)), "status": "?",
+        "excluded": EXCLUDED, "status": "?",
+        # the elementwise pieces compiled on CUDA (lightning_tsp.kernels.fused) and from which call size
+        "fused_elementwise": f"calls of >= {MIN_FUSED_TOKENS} tokens" if fused else "off",
+        "command": command if fused else f"LIGHTNING_TSP_FUSED=0 {command}",
     }
 
 

@@ -62,3 +62,13 @@ def test_compiled_piece_matches_eager(name):
     for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_token_rules():
+    """The size rule that decides compiled vs eager counts tokens, not elements (grouped steps keep the elements of
+    a call constant across lengths; the host-bound short sequences have few tokens)."""
+    from lightning_tsp.kernels.fused import MIN_FUSED_TOKENS, rows, rows_heads
+
+    assert rows_heads(torch.empty(2, 24, 4, 8)) == 48 and rows(torch.empty(2, 24, 64)) == 48
+    assert rows(torch.empty(4096, 2 * 2048)) == MIN_FUSED_TOKENS  # swiglu's [B*L, 2F] at 32K, D = 8: compiled
+    assert rows_heads(torch.empty(1, 2048, 32, 128)) < MIN_FUSED_TOKENS  # RoPE at 16K, g = 8: eager

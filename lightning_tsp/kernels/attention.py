@@ -454,7 +454,7 @@ def _prefix_document_mask_mod(q_lo: Tensor, k_pre: Tensor):
     return mask_mod
 
 
-@fused_on_cuda
+@fused_on_cuda(lambda o: o.shape[0] * o.shape[2])  # o [B, H, Lq, d]: B * Lq query rows
 def merge_pieces(own_o: Tensor, own_lse: Tensor, pre_o: Tensor, pre_lse: Tensor, dtype: torch.dtype):
     """One fp32 (fp64 stays fp64) log-sum-exp merge of the own-chunk piece and the prefix piece (one compiled
     kernel on CUDA). The own piece always has a visible key (the diagonal); a prefix row without one (lse -inf)

@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.attention import AttentionKernel, DocumentMask, select_attention_kernel
-from lightning_tsp.kernels.fused import fused_on_cuda
+from lightning_tsp.kernels.fused import fused_on_cuda, rows_heads
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
 from lightning_tsp.planning.grouping import choose_shard_group, step_kv_heads, valid_shard_groups
 from lightning_tsp.schedules.broadcast import GroupReduce, gather_shard_groups
@@ -432,7 +432,7 @@ def kv_blocks(spec: _AttnSpec, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -
     return [kv_block(k[:, :, kvs], v[:, :, kvs], cos, sin) for kvs, _ in spec.buckets()]
 
 
-@fused_on_cuda
+@fused_on_cuda(rows_heads)
 def kv_block(k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """k, v [B, L, n, d] -> [B, L, 2n, d]: the RoPE'd keys, then the values."""
     return torch.cat([apply_rope(k, cos, sin), v], dim=2)

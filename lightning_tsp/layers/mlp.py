@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.kernels.fused import fused_on_cuda
+from lightning_tsp.kernels.fused import fused_on_cuda, rows
 from lightning_tsp.kernels.gemm import add_matmul_
 from lightning_tsp.schedules.comm import local_tensor, pack, unpack
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 
-@fused_on_cuda
+@fused_on_cuda(rows)
 def swiglu_backward(gu: Tensor, d_hid: Tensor) -> tuple[Tensor, Tensor]:
     """For hid = silu(gate) * up with gu = [gate | up] [n, 2F] and d_hid [n, F]: (d gu [n, 2F], hid [n, F]).
     silu' is aten's silu_backward; on CUDA the whole function is one compiled kernel."""

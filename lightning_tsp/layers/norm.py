@@ -7,11 +7,11 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.kernels.fused import fused_on_cuda
+from lightning_tsp.kernels.fused import fused_on_cuda, rows
 from lightning_tsp.schedules.comm import SumGradOverGroup, local_tensor
 
 
-@fused_on_cuda
+@fused_on_cuda(rows)
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """Hugging Face's LlamaRMSNorm arithmetic: normalise in (at least) fp32, cast back, then scale (on CUDA one
     compiled kernel forward and one backward, instead of five and about eight)."""

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
-from lightning_tsp.kernels.fused import fused_on_cuda
+from lightning_tsp.kernels.fused import fused_on_cuda, rows_heads
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "apply_rope", "apply_rope_backward", "rope_cos_sin", "validate_rope_scaling"]
 
@@ -273,13 +273,13 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-@fused_on_cuda
+@fused_on_cuda(rows_heads)
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, L, d] rotated by the angles of its tokens' positions."""
     return x * cos + _rotate_half(x) * sin
 
 
-@fused_on_cuda
+@fused_on_cuda(rows_heads)
 def apply_rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The transpose of :func:`apply_rope` (a rotation by the opposite angle)."""
     return grad * cos - _rotate_half(grad * sin)
