@@ -358,10 +358,10 @@ def test_module_entry_point_exists():
 # Peaks measured on one H200 with benchmarks/harness.py (paper-7b, D = 8, bf16-mixed, foreach AdamW, full
 # checkpointing unless marked; docs/results/*.jsonl, docs/benchmarks.md): the model must stay within 10% of each.
 H200_MEASURED_PEAK_GB = {
-    # TSP with shard_group="auto" (g = 8 / 2 / 1 at 16K / 64K / 128K; 2026-12-03). Not pinned: 32K (g = 4), measured
+    # TSP with shard_group="auto" (g = 8 / 2 / 1 at 16K / 64K / 128K; 2026-12-03, 128K from the third run). Not pinned: 32K (g = 4), measured
     # 25.42 GB against a modelled 22.14 (-13%, docs/cost-model.md "Calibration").
     ("tsp", 16384, "full"): 22.20, ("tsp", 65536, "full"): 23.28,
-    ("tsp", 131072, "full"): 26.46, ("tsp", 131072, "offload"): 22.57,
+    ("tsp", 131072, "full"): 25.86, ("tsp", 131072, "offload"): 22.24, ("tsp", 131072, "keep-attention"): 30.35,
     ("tsp", 1048576, "full"): 114.62,  # extrapolated from 1 and 2 layers, one KV head per bucket
     ("tsp", 2097152, "offload"): 88.97,  # extrapolated from 1 and 2 layers, one KV head per bucket
     ("tp", 16384, "full"): 25.45, ("tp", 32768, "full"): 35.37, ("tp", 65536, "full"): 55.21,
