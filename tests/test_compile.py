@@ -42,6 +42,6 @@ def _worker(rank, world_size, backend, checkpointing):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend,checkpointing", [("aot_eager", "none"), ("inductor", "full")])
+@pytest.mark.parametrize("backend,checkpointing", [("aot_eager", "none"), ("inductor", "full"), ("aot_eager", "keep-attention")])
 def test_compiled_tsp_model_is_exact(backend, checkpointing):
     run_distributed(_worker, 2, backend, checkpointing, timeout=280.0)
