@@ -18,6 +18,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA_KERNELS = ["sdpa", "cudnn-split", "flash-attn"]
 
 
+@pytest.fixture
+def compiled_pieces(monkeypatch):
+    """The elementwise pieces of kernels/fused.py compiled at these tests' small shapes too (by default only calls
+    of >= MIN_FUSED_TOKENS tokens are), so the compiled path is checked against fp64 / the other modes."""
+    monkeypatch.setattr("lightning_tsp.kernels.fused.MIN_FUSED_TOKENS", 0)
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double().cpu(), want.double().cpu()
     assert torch.isfinite(got).all()
@@ -109,14 +116,17 @@ def check_bf16_autocast_against_fp64(cfg: ModelConfig, grad_rtol, attention_kern
         assert rel_err(p.grad, p_ref.grad) < grad_rtol(n), n
 
 
+@pytest.mark.parametrize("fused", ["eager", "compiled"])
 @pytest.mark.parametrize("name", CUDA_KERNELS)
-def test_model_bf16_autocast_matches_fp64_cpu_reference(name):
+def test_model_bf16_autocast_matches_fp64_cpu_reference(name, fused, request):
     _kernel(name)
+    if fused == "compiled":
+        request.getfixturevalue("compiled_pieces")
     cfg = ModelConfig(vocab_size=512, hidden_size=512, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=1024)
     check_bf16_autocast_against_fp64(cfg, lambda n: 5e-2, attention_kernel=name)
 
 
-def test_offload_checkpointing_equals_full_on_gpu():
+def test_offload_checkpointing_equals_full_on_gpu(compiled_pieces):
     """checkpointing="offload" (layer inputs and attention outputs in pinned host memory, brought back on a side
     stream one layer ahead, the recomputation replaying the attention outputs) and "keep-attention" (the same
     kept on the GPU) give full checkpointing's loss and gradients under bf16 autocast."""

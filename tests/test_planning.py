@@ -393,3 +393,22 @@ def test_tsp_fixed_cost_counts_schedule_steps_and_ring_hops():
         assert e.step_fitted_s == pytest.approx(max(e.compute_s + e.fixed_s, e.comm_overlap_s) + e.comm_exposed_s)
         assert e.step_s == pytest.approx(max(e.compute_s, e.comm_overlap_s) + e.comm_exposed_s)
     assert estimate(P7, Layout("tp_sp", 8, 8, tp=8), H200, MIXED, 1, 16384).fixed_s == 0
+
+
+def test_plan_lists_every_checkpointing_mode_for_the_recommendation(capsys):
+    """`lightning-tsp plan` ends with the recommended layout under every checkpointing mode: keep-attention keeps
+    the attention outputs on the GPU (more memory than full, the step without the attention re-run), offload the
+    same tensors in host memory (its host figure is keep-attention's saved activations)."""
+    assert main(["--model", "paper-7b", "--seq-len", "1048576", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("checkpointing modes for TSP D=8:"):].splitlines()[1:6]
+    modes = {line.split()[0]: line for line in lines}
+    assert list(modes) == ["none", "selective", "full", "keep-attention", "offload"]
+    assert "does NOT fit" in modes["keep-attention"] and "does NOT fit" not in modes["full"]
+    layout = Layout("tsp", 8, 8, tsp=8)
+    kept = memory_breakdown(P7, layout, MIXED, 1, 1048576, "keep-attention")["activations"]
+    full = memory_breakdown(P7, layout, MIXED, 1, 1048576, "full")["activations"]
+    assert kept == pytest.approx(1.5 * full, rel=0.01)  # + o (bf16) and an fp32 lse per head beside the fp32 input
+    assert f"{kept / 2**30:.1f} GiB pinned host memory per GPU" in modes["offload"]
+    step = {m: float(line.split("step ")[1].split()[0]) for m, line in modes.items()}
+    assert step["keep-attention"] == step["offload"] < step["full"]

@@ -16,7 +16,7 @@ from .hardware import HARDWARE_PRESETS, GiB, get_hardware
 from .model import MODEL_PRESETS, ModelShape, get_model_shape
 from .planner import PlanError, format_table, make_plan, select_rows
 from .precision import PRECISIONS, get_precision
-from .strategies import Estimate, tsp_expert_crossover_seq
+from .strategies import Estimate, estimate, memory_breakdown, tsp_expert_crossover_seq
 
 __all__ = ["main", "build_parser"]
 
@@ -143,6 +143,21 @@ def _breakdown(e: Estimate) -> str:
     return "\n".join(lines)
 
 
+def checkpointing_lines(rec: Estimate) -> list[str]:
+    """The recommended layout under every activation-checkpointing mode: peak, fits, step (TSP: with its fitted
+    fixed cost) and the pinned host memory ``offload`` needs per GPU (what ``keep-attention`` keeps on it)."""
+    args = (rec.shape, rec.layout, rec.precision, rec.micro_batch, rec.seq_len)
+    host = memory_breakdown(*args, "keep-attention")["activations"]
+    lines = [f"checkpointing modes for {rec.layout.label} {rec.layout.degrees}:"]
+    for mode in CHECKPOINTING:
+        e = estimate(rec.shape, rec.layout, rec.hardware, rec.precision, rec.micro_batch, rec.seq_len, mode,
+                     headroom=rec.headroom)
+        extra = f", {host / GiB:.1f} GiB pinned host memory per GPU" if mode == "offload" else ""
+        lines.append(f"  {mode:<15} {e.peak_bytes / GiB:6.1f} GiB  {'fits' if e.fits else 'does NOT fit':<12} "
+                     f"step {e.step_fitted_s:.3f} s{extra}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
@@ -182,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec = plan.recommended
     print(f"recommended: {rec.layout.label} {rec.layout.degrees}" + ("" if rec.fits else " (does NOT fit)"))
     print(f"  why: {plan.reason}")
+    for line in checkpointing_lines(rec):
+        print(line)
     if args.breakdown:
         print()
         print(_breakdown(rec))
