@@ -76,7 +76,7 @@ def _builtin_worker(rank: int, world_size: int, refs: dict) -> None:
     tsp = world_tsp()
     for name, cfg in builtin_configs().items():
         for schedule in ("ring", "dispatch", "auto"):
-            for ckpt in ("none", "full") if schedule == "ring" else ("none",):
+            for ckpt in ("none", "full", "keep-attention") if schedule == "ring" else ("none",):
                 c = dataclasses.replace(cfg, expert_schedule=schedule)
                 check_against(f"{name} {schedule} ckpt={ckpt} D={world_size}", run_builtin(c, tsp, ckpt), refs[name])
 
