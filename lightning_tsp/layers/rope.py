@@ -275,7 +275,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 @fused_on_cuda(rows_heads)
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, L, d] rotated by the angles of its tokens' positions."""
+    """x [B, L, n, d] (heads second to last) rotated by the angles of its tokens' positions; cos/sin broadcast
+    against it."""
     return x * cos + _rotate_half(x) * sin
 
 
