@@ -395,6 +395,14 @@ def test_tsp_fixed_cost_counts_schedule_steps_and_ring_hops():
     assert estimate(P7, Layout("tp_sp", 8, 8, tp=8), H200, MIXED, 1, 16384).fixed_s == 0
 
 
+def test_planner_and_model_know_the_same_checkpointing_modes():
+    from lightning_tsp.models.llama import CHECKPOINTING_MODES
+    from lightning_tsp.planning.collectives import ATTENTION_REPLAYED, CHECKPOINTING, RECOMPUTING
+
+    assert CHECKPOINTING_MODES == CHECKPOINTING
+    assert set(ATTENTION_REPLAYED) < set(RECOMPUTING) < set(CHECKPOINTING)
+
+
 def test_plan_lists_every_checkpointing_mode_for_the_recommendation(capsys):
     """`lightning-tsp plan` ends with the recommended layout under every checkpointing mode: keep-attention keeps
     the attention outputs on the GPU (more memory than full, the step without the attention re-run), offload the

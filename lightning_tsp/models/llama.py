@@ -23,6 +23,7 @@ from lightning_tsp.layers.attention import Documents
 from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_loss
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
 from lightning_tsp.offload import StashChain, stashed_checkpoint
+from lightning_tsp.planning.collectives import ATTENTION_REPLAYED
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX, document_starts, shard_batch
 
@@ -106,7 +107,6 @@ class ModelConfig:
 
 CheckpointingMode = Literal["none", "selective", "full", "keep-attention", "offload"]
 CHECKPOINTING_MODES: tuple[str, ...] = get_args(CheckpointingMode)
-STASHED_MODES = ("keep-attention", "offload")  # full checkpointing that replays the attention outputs
 
 _PRESET_ARGS: dict[str, dict] = {
     # CPU tests and the quick-start demo (byte-level vocabulary).
@@ -360,7 +360,7 @@ class TSPLlama(nn.Module):
         router_stats = None
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
         # keep-attention / offload: the layer input and the attention outputs, on the GPU / in pinned host memory
-        chain = StashChain("host" if mode == "offload" else "device") if mode in STASHED_MODES else None
+        chain = StashChain("host" if mode == "offload" else "device") if mode in ATTENTION_REPLAYED else None
         for layer in self.model.layers:
             if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
                 x, stats = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
