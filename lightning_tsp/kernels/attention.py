@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +181,16 @@ def _split_keys(dk: Tensor, n_pre: int) -> tuple[Tensor, Tensor | None]:
     return (dk, None) if n_pre == 0 else (dk[:, :, n_pre:], dk[:, :, :n_pre])
 
 
+class _PieceKernel(AttentionKernel):
+    """A kernel run as two pieces (own chunk square causal, prefix fully visible) merged by log-sum-exp: its
+    ``differentiable`` takes the pieces; a plain bottom-right call is split into them."""
+
+    def bottom_right(self, q, k, v):
+        lq, lk = q.shape[2], k.shape[2]
+        pre = (k[:, :, : lk - lq], v[:, :, : lk - lq]) if lk > lq else (None, None)
+        return self.differentiable(q, k[:, :, lk - lq :], v[:, :, lk - lq :], *pre)
+
+
 class MathAttention(AttentionKernel):
     """Reference math in fp32 (fp64 stays fp64), explicit forward and backward, GQA without expanding K/V."""
 
@@ -307,7 +318,7 @@ def _sum_kv_groups(t: Tensor, n_kv: int) -> Tensor:
     return t if hq == n_kv else t.unflatten(1, (n_kv, hq // n_kv)).sum(2)
 
 
-class CudnnSplitAttention(AttentionKernel):
+class CudnnSplitAttention(_PieceKernel):
     """Hopper fast path: the own chunk as a square causal call, the prefix as a non-causal call, both on cuDNN,
     merged once with their log-sum-exps in fp32 (not a ring-style chain of merges). Backward calls cuDNN's
     backward per piece with the merged output and log-sum-exp (no forward recompute). Strided views of the
@@ -324,11 +335,6 @@ class CudnnSplitAttention(AttentionKernel):
             return own_o, own_lse
         pre_o, pre_lse = _cudnn_attention(q, _expand_heads(k_pre, hq), _expand_heads(v_pre, hq), False)
         return merge_pieces(own_o, own_lse, pre_o, pre_lse, q.dtype)
-
-    def bottom_right(self, q, k, v):
-        lq, lk = q.shape[2], k.shape[2]
-        pre = (k[:, :, : lk - lq], v[:, :, : lk - lq]) if lk > lq else (None, None)
-        return self.differentiable(q, k[:, :, lk - lq :], v[:, :, lk - lq :], *pre)
 
     def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse, mask=None):
         if mask is not None:
@@ -348,19 +354,158 @@ class CudnnSplitAttention(AttentionKernel):
         return dq + dq_pre, dk_own, dv_own, _sum_kv_groups(dk_pre, hkv), _sum_kv_groups(dv_pre, hkv)
 
 
-class FlashAttention(AttentionKernel):
-    """flash-attn's ``flash_attn_func`` (bottom-right causal, native GQA); imported lazily."""
+@dataclass(frozen=True)
+class FlashLibrary:
+    """One installed flash-attn build, called per zigzag piece. ``forward(q, k, v, causal) -> (o, lse)`` and
+    ``backward(do, q, k, v, o, lse, causal) -> (dq, dk, dv)`` take and return this module's [B, H, L, d] layout
+    (strided views of [B, L, H, d] memory, which is the libraries' own layout: no copies), K/V with Hkv heads
+    (native GQA: dK/dV come back with Hkv heads), lse [B, Hq, Lq] fp32 natural log. ``causal`` is square (the
+    own chunk, Lq = Lk) or off (the prefix). ``min_capability``: the oldest CUDA architecture it runs on."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+    min_capability: tuple[int, int]
+
+
+def _bhld(*ts: Tensor) -> list[Tensor]:
+    """[B, H, L, d] <-> [B, L, H, d] (a transposed view)."""
+    return [t.transpose(1, 2) for t in ts]
+
+
+def _load_flash_attn_4() -> FlashLibrary:
+    """flash-attn 4 (``pip install flash-attn-4``; CuTe DSL, Hopper and Blackwell): ``flash_attn.cute.flash_attn_func
+    (q, k, v, softmax_scale=, causal=, return_lse=True) -> (out, lse)``; the backward is the library's own
+    ``flash_attn.cute.interface._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal) -> (dq, dk, dv)``
+    (what its autograd function calls; there is no public backward entry point)."""
+    from flash_attn.cute import flash_attn_func
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    def forward(q, k, v, causal):
+        o, lse = flash_attn_func(*_bhld(q, k, v), softmax_scale=q.shape[-1] ** -0.5, causal=causal, return_lse=True)
+        return o.transpose(1, 2), lse
+
+    def backward(do, q, k, v, o, lse, causal):
+        qt, kt, vt, ot, dot = _bhld(q, k, v, o, do)
+        dq, dk, dv = _flash_attn_bwd(qt, kt, vt, ot, dot, lse.contiguous(), softmax_scale=q.shape[-1] ** -0.5,
+                                     causal=causal)[:3]
+        return _bhld(dq, dk, dv)
+
+    return FlashLibrary("flash-attn 4", forward, backward, (9, 0))
+
+
+def _load_flash_attn_2() -> FlashLibrary:
+    """flash-attn 2 (``pip install flash-attn``, >= 2.7; Ampere and newer): ``flash_attn.flash_attn_func(q, k, v,
+    softmax_scale=, causal=, return_attn_probs=True) -> (out, softmax_lse, S_dmask)``; the backward is
+    ``flash_attn.flash_attn_interface._flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
+    softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic)``, which
+    writes dq/dk/dv (the library's autograd drops the log-sum-exp's gradient, so the merge cannot go through it)."""
+    from flash_attn import flash_attn_func
+    from flash_attn.flash_attn_interface import _flash_attn_backward
+
+    def forward(q, k, v, causal):
+        o, lse, _ = flash_attn_func(*_bhld(q, k, v), softmax_scale=q.shape[-1] ** -0.5, causal=causal,
+                                    return_attn_probs=True)
+        return o.transpose(1, 2), lse[:, :, : q.shape[2]]
+
+    def backward(do, q, k, v, o, lse, causal):
+        qt, kt, vt, ot, dot = _bhld(q, k, v, o, do)
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qt, kt, vt))
+        _flash_attn_backward(dot, qt, kt, vt, ot, lse.contiguous(), dq, dk, dv, 0.0, q.shape[-1] ** -0.5, causal,
+                             -1, -1, 0.0, None, False)
+        return _bhld(dq, dk, dv)
+
+    return FlashLibrary("flash-attn 2", forward, backward, (8, 0))
+
+
+_FLASH_INSTALL = ("pip install flash-attn-4 on Hopper/Blackwell (sm90+; module flash_attn.cute), pip install "
+                  "flash-attn on Ampere (flash-attn 2, flash_attn.flash_attn_func)")
+
+
+@functools.lru_cache(maxsize=None)
+def flash_libraries() -> tuple[dict[str, FlashLibrary], dict[str, str]]:
+    """({"fa4": ..., "fa2": ...} for the builds whose entry points import, {key: why not} for the others).
+    Availability is "the callable imports": flash-attn 4 alone leaves ``flash_attn`` a namespace package
+    without ``flash_attn_func``, which is not flash-attn 2."""
+    found, missing = {}, {}
+    for key, what, load in (("fa4", "flash-attn 4 (flash_attn.cute.flash_attn_func)", _load_flash_attn_4),
+                            ("fa2", "flash-attn 2 (flash_attn.flash_attn_func)", _load_flash_attn_2)):
+        try:
+            found[key] = load()
+        except Exception as e:  # noqa: BLE001 - any failure to import means "not callable here"
+            missing[key] = f"{what} does not import ({type(e).__name__}: {e})"
+    return found, missing
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def flash_library(device: torch.device | str) -> FlashLibrary:
+    """The flash-attn build to run on ``device``: flash-attn 4 on sm90+ when it imports, else flash-attn 2 when it
+    imports and runs there. Raises :class:`TSPConfigError` naming what to install."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise TSPConfigError(f"attention kernel 'flash-attn' runs on CUDA only, not on {device}; use "
+                             f"attention_kernel='auto'")
+    found, missing = flash_libraries()
+    why = list(missing.values())
+    if found:
+        cap = _cuda_capability(device)
+        for lib in found.values():  # flash-attn 4 first
+            if cap >= lib.min_capability:
+                return lib
+        why += [f"{lib.name} needs sm{lib.min_capability[0]}{lib.min_capability[1]}+, this GPU is sm{cap[0]}{cap[1]}"
+                for lib in found.values()]
+    raise TSPConfigError(f"attention kernel 'flash-attn' cannot run on {device}: {'; '.join(why)}. Install it: "
+                         f"{_FLASH_INSTALL}; or use attention_kernel='auto'.")
+
+
+class FlashAttention(_PieceKernel):
+    """flash-attn (flash-attn 4 or 2, see :class:`FlashLibrary`) run like :class:`CudnnSplitAttention`: the own
+    chunk as a square causal call, the prefix as a non-causal call, merged once by their log-sum-exps in fp32
+    (:func:`merge_pieces`). Native GQA (K/V never expanded). Backward calls the library's backward per piece with
+    the merged output and log-sum-exp (each piece's exact share of the global softmax; no forward recompute).
+    No document masks (refused): packed documents use flex-doc. ``library`` None: chosen on the first call by
+    :func:`flash_library` for the tensors' device."""
 
     name = "flash-attn"
 
-    def bottom_right(self, q, k, v):
-        from flash_attn import flash_attn_func
+    def __init__(self, library: FlashLibrary | None = None):
+        self.library = library
 
-        o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-        return o.transpose(1, 2), None
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({None if self.library is None else self.library.name!r})"
+
+    def _library(self, device: torch.device) -> FlashLibrary:
+        if self.library is None:
+            self.library = flash_library(device)
+        return self.library
+
+    def differentiable(self, q, k_own, v_own, k_pre=None, v_pre=None, mask=None):
+        if mask is not None:
+            self._check_mask(mask, q, k_own, k_pre)  # refuses
+        lib = self._library(q.device)
+        own_o, own_lse = lib.forward(q, k_own, v_own, True)
+        if k_pre is None:
+            return own_o, own_lse
+        pre_o, pre_lse = lib.forward(q, k_pre, v_pre, False)
+        return merge_pieces(own_o, own_lse, pre_o, pre_lse, q.dtype)
+
+    def backward(self, do, q, k_own, v_own, k_pre, v_pre, o, lse, mask=None):
+        if mask is not None:
+            self._check_mask(mask, q, k_own, k_pre)  # refuses
+        if lse is None:
+            raise TSPConfigError("flash-attn backward needs the log-sum-exp its forward returned (got None)")
+        lib = self._library(q.device)
+        dq, dk_own, dv_own = lib.backward(do, q, k_own, v_own, o, lse, True)
+        if k_pre is None:
+            return dq, dk_own, dv_own, None, None
+        dq_pre, dk_pre, dv_pre = lib.backward(do, q, k_pre, v_pre, o, lse, False)
+        return dq + dq_pre, dk_own, dv_own, dk_pre, dv_pre
 
 
-class FlexDocumentAttention(AttentionKernel):
+class FlexDocumentAttention(_PieceKernel):
     """Packed documents on the GPU without any dense mask: ``torch.nn.attention.flex_attention`` (compiled) with
     block-sparse masks from ``create_block_mask`` (compiled), run as two pieces like :class:`CudnnSplitAttention`:
     the own chunk with a causal AND same-document ``mask_mod``, the prefix with the same-document ``mask_mod``
@@ -424,11 +569,6 @@ class FlexDocumentAttention(AttentionKernel):
         pre_o, pre_lse = self.piece("prefix", q, k_pre, v_pre,
                                     _prefix_document_mask_mod(q_lo, mask.k_pre.to(q.device)), mask.cache)
         return merge_pieces(own_o, own_lse, pre_o, pre_lse, q.dtype)
-
-    def bottom_right(self, q, k, v):
-        lq, lk = q.shape[2], k.shape[2]
-        pre = (k[:, :, : lk - lq], v[:, :, : lk - lq]) if lk > lq else (None, None)
-        return self.differentiable(q, k[:, :, lk - lq :], v[:, :, lk - lq :], *pre)
 
 
 def _causal_mask_mod(b, h, q_idx, kv_idx):
@@ -527,10 +667,13 @@ KERNELS = {k.name: k for k in (MathAttention, SDPAAttention, CudnnSplitAttention
                                FlexDocumentAttention)}
 
 
-def _flash_attn_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flash_attn") is not None
+def _flash_runs(device: torch.device) -> bool:
+    """A flash-attn build imports and runs on this GPU (see :func:`flash_library`)."""
+    try:
+        flash_library(device)
+        return True
+    except TSPConfigError:
+        return False
 
 
 def _cudnn_split_works(device) -> bool:
@@ -549,18 +692,36 @@ def available_kernels(device: torch.device) -> list[str]:
     if device.type == "cuda":
         if _cudnn_split_works(device):
             names.append("cudnn-split")
-        if _flash_attn_importable():
+        if _flash_runs(device):
             names.append("flash-attn")
         if _flex_importable():
             names.append("flex-doc")
     return names
 
 
+def _auto_half_precision_kernel(device: torch.device) -> AttentionKernel:
+    """The fastest kernel that can run here (CUDA, bf16/fp16): flash-attn 4 on sm90+ (measured faster than cuDNN on
+    an H200, forward and forward+backward), flash-attn 2 below sm90, else the cuDNN split (also on sm90+ with only
+    flash-attn 2 installed: flash-attn 2 was not measured faster than cuDNN there), else flash-attn 2, else SDPA."""
+    avail = available_kernels(device)
+    lib = flash_library(device) if "flash-attn" in avail else None
+    if lib is not None and (lib.min_capability >= (9, 0) or _cuda_capability(device) < (9, 0)):
+        return FlashAttention(lib)
+    if "cudnn-split" in avail:
+        return CudnnSplitAttention()
+    if lib is not None:
+        return FlashAttention(lib)
+    return SDPAAttention()
+
+
 def select_attention_kernel(
     device: torch.device | str, name: str = "auto", dtype: torch.dtype = torch.bfloat16, documents: bool = False
 ) -> AttentionKernel:
-    """``auto``: on CUDA in bf16/fp16, flash-attn when importable, else the cuDNN split; otherwise SDPA with an
-    explicit bottom-right mask (the fused half-precision kernels do not take fp32).
+    """``auto``: on CUDA in bf16/fp16 the fastest kernel that can run there (see
+    :func:`_auto_half_precision_kernel`: flash-attn 4 on Hopper/Blackwell, the cuDNN split path otherwise);
+    otherwise SDPA with an explicit bottom-right mask (the fused half-precision kernels do not take fp32).
+    ``auto`` never picks a kernel that cannot be called; a forced one that cannot be gets an error naming
+    what to install.
 
     ``documents=True`` (packed documents: every call gets a :class:`DocumentMask`): ``auto`` gives flex-doc on
     CUDA in bf16/fp16 and SDPA with an explicit per-call mask otherwise; an explicitly named kernel without
@@ -575,7 +736,12 @@ def select_attention_kernel(
         if name == "flex-doc" and not _flex_importable():
             raise ValueError(f"attention kernel 'flex-doc' needs torch.nn.attention.flex_attention (torch >= 2.5); "
                              f"this torch {torch.__version__} does not have it")
-        if name in ("cudnn-split", "flash-attn") and name not in available_kernels(device):
+        if name == "flash-attn":
+            if dtype not in (torch.bfloat16, torch.float16):
+                raise TSPConfigError(f"attention kernel 'flash-attn' runs in bf16/fp16, not {dtype}: train under "
+                                     f"bf16 autocast (bf16-mixed) or use attention_kernel='auto'")
+            return FlashAttention(flash_library(device))  # raises naming what to install
+        if name == "cudnn-split" and name not in available_kernels(device):
             raise ValueError(f"attention kernel {name!r} is not available on {device}")
         return KERNELS[name]()
     half = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -584,8 +750,5 @@ def select_attention_kernel(
             return FlexDocumentAttention()
         return SDPAAttention()
     if half:
-        avail = available_kernels(device)
-        for choice in ("flash-attn", "cudnn-split"):
-            if choice in avail:
-                return KERNELS[choice]()
+        return _auto_half_precision_kernel(device)
     return SDPAAttention()
