@@ -50,10 +50,17 @@ class RingGradPass:
     place. After the loop ``grad`` holds the complete gradient of this rank's own shard. ``local=None`` moves only
     the accumulator (for ops whose backward needs no weights, e.g. the embedding).
 
-    Overlap: the accumulator of shard s, carrying the partials of the ranks before this one, travels while this
-    rank computes its own partial of s into ``part``; only then are the two added and sent on. So both the weight
-    hop and the accumulator hop of a step hide behind that step's GEMMs (an accumulator added to in place would
-    have to arrive before the GEMMs start). Traffic: D-1 weight hops and D-1 accumulator hops per rank.
+    Order on every rank (the same sequence of sends/recvs everywhere), step t on shard s = r-1-t: issue weight hop
+    t+1 | yield: the caller issues step t's GEMMs into ``part`` | wait accumulator hop t-1 (issued after step t-1,
+    it ran while step t's GEMMs were issued), add ``part`` into what it brought and issue the sum as accumulator hop
+    t | wait weight hop t+1. So every hop has one step's compute issued between its issue and its wait (accumulator
+    hop t: step t+1's; weight hop t+1: step t's), except the first weight hop, which step 0 waits for (it needs the
+    left neighbour's shard). An accumulator added to in place would have to arrive before the GEMMs start. Deferring
+    the add and send-on further gains nothing: the accumulator of shard s meets the ranks in the order they compute
+    s, one step apart, so each hop must land within one step whatever the order, and the last hop (into the owner)
+    would be left with no compute to hide behind. At most one hop of each kind in flight; at most three accumulators
+    alive (``part``, the one being sent, the one arriving). ``tests/test_ring_order.py`` pins this order. Traffic:
+    D-1 weight hops and D-1 accumulator hops per rank.
     """
 
     def __init__(self, tsp: TSPGroup, local: Tensor | None, grad_numel: int, device, grad_dtype=torch.float32):
