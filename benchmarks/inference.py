@@ -6,6 +6,7 @@ The communication an NVLink node would add comes from the cost model (see ``--ha
     python -m benchmarks.inference                                  # paper-7b, D = 8, rank 0, 32K/128K/1M + D = 1
     python -m benchmarks.inference --prompt-lens 131072 --tsp-size 8 --no-baseline --out runs/inf.jsonl
     python -m benchmarks.inference --device cpu --model tiny --tsp-size 2 --prompt-lens 32 --decode-steps 2
+    python -m benchmarks.inference --prompt-lens 2048 --new-tokens 32 256 --calls 6   # whole generate calls too
 
 Every configuration (D, prompt length) runs in a fresh subprocess, so peak memory does not mix between rows and
 an out-of-memory error becomes a row saying OOM. Rows are printed as a markdown table (each row's exact command
@@ -30,7 +31,8 @@ DEFAULT_LENS = (32768, 131072, 1048576)
 
 # options that define one configuration: forwarded to the subprocess and printed in the row's command
 CONFIG_OPTS = ("model", "layers", "tsp_size", "rank", "batch", "dtype", "device", "attention_kernel", "repeats",
-               "warmup_len", "decode_steps", "decode_warmup", "max_seconds", "hardware", "seed", "decode_mode")
+               "warmup_len", "decode_steps", "decode_warmup", "max_seconds", "hardware", "seed", "decode_mode",
+               "new_tokens", "calls", "fresh_calls")
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the decode floor reads the weights and the filled cache once per token
 
 
@@ -60,6 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                  "CUDA graph is captured during them)")
     ap.add_argument("--decode-mode", choices=("graph", "eager"), default="graph",
                     help="decode steps replayed as one CUDA graph (generate's default on CUDA) or run eagerly")
+    ap.add_argument("--new-tokens", type=int, nargs="*", default=[],
+                    help="also time whole generate() calls end to end (prefill, decoding, host reads), in a loop of "
+                         "--calls calls with new prompts of the same shapes, for each of these max_new_tokens")
+    ap.add_argument("--calls", type=int, default=6, help="generate calls per --new-tokens value: the first, then "
+                                                         "the median of the others (decoder kept across calls)")
+    ap.add_argument("--fresh-calls", type=int, default=2,
+                    help="generate calls per --new-tokens value with keep_decoder=False (a new decoder every call: "
+                         "the behaviour before decoders were kept), median; 0: none")
     ap.add_argument("--max-seconds", type=float, default=300.0,
                     help="per configuration: the subprocess is killed after this (row 'timeout'); prefill "
                          "repeats stop once another would pass half of it, decode steps at 90%%")
@@ -77,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"need D >= 1 and 0 <= rank < D, got D={args.tsp_size} rank={args.rank}")
     if any(s < 1 for s in args.prompt_lens) or args.batch < 1 or args.repeats < 1 or args.decode_steps < 1:
         ap.error("prompt lengths, --batch, --repeats and --decode-steps must be >= 1")
+    if any(n < 2 for n in args.new_tokens) or args.calls < 2 or args.fresh_calls < 0:
+        ap.error("--new-tokens values must be >= 2, --calls >= 2 (the first call and at least one more), "
+                 "--fresh-calls >= 0")
     return args
 
 
@@ -98,7 +111,9 @@ def command(c: argparse.Namespace) -> list[str]:
            str(c.prompt_lens[0])]
     for opt in CONFIG_OPTS:
         v = getattr(c, opt)
-        if v is not None:
+        if isinstance(v, list):
+            cmd += [f"--{opt.replace('_', '-')}", *map(str, v)] if v else []
+        elif v is not None:
             cmd += [f"--{opt.replace('_', '-')}", str(v)]
     return cmd
 
@@ -316,6 +331,15 @@ def measure(c: argparse.Namespace) -> dict:
             row["decode_mode"] = "CUDA graph" if decoder.graph is not None else "eager"
             # the memory-bandwidth floor of one step on this GPU: weights and the filled cache read once
             row["decode_floor_s"] = (row["weights_bytes"] + cache.nbytes(used_only=True)) / HBM_BYTES_PER_S
+            if c.new_tokens:
+                phase = "generate"
+                del cache, decoder, hidden
+                row["generate"] = []
+                for n in c.new_tokens:
+                    row["generate"].append(time_generate_calls(model, lambda: prompt(s), n, c, graphs, sync))
+                    if elapsed() > 0.9 * c.max_seconds:
+                        row["generate_cut"] = f"stopped after new_tokens={n} (--max-seconds)"
+                        break
     except TSPConfigError as exc:  # e.g. heads not divisible by D: a row saying so
         row["status"] = "invalid"
         row["error"] = first_line(exc)
@@ -333,6 +357,37 @@ def measure(c: argparse.Namespace) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     return finalize(row, prefill_times, decode_times)
+
+
+def time_generate_calls(model, make_prompt, n: int, c: argparse.Namespace, graphs: bool, sync) -> dict:
+    """Whole ``generate`` calls as a user makes them, in a loop: ``c.calls`` calls with new prompts of the same
+    shapes (the decoder is kept after the first: cache, graph), then ``c.fresh_calls`` with ``keep_decoder=False``.
+    Per call the wall time from the call to its return (host sync included) and the time to the first token (the
+    streamer's first call: prefill + first choice)."""
+    from lightning_tsp.inference import generate, release
+
+    def one(keep: bool) -> dict:
+        ids, lens = make_prompt()
+        prompts = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
+        first = []
+        sync()
+        t0 = time.perf_counter()
+        generate(model, prompts, n, cuda_graphs=graphs, keep_decoder=keep,
+                 streamer=lambda step, _: first.append(time.perf_counter()) if step == 0 else None)
+        sync()
+        return {"total_s": time.perf_counter() - t0, "ttft_s": first[0] - t0}
+
+    release(model)  # the first call builds its decoder
+    calls = [one(True) for _ in range(c.calls)]
+    release(model)
+    fresh = [one(False) for _ in range(c.fresh_calls)]
+    rest = calls[1:]
+    out = {"new_tokens": n, "calls": calls, "fresh_calls": fresh,
+           "first_s": calls[0]["total_s"], "rest_s": statistics.median(x["total_s"] for x in rest),
+           "rest_ttft_s": statistics.median(x["ttft_s"] for x in rest)}
+    if fresh:
+        out["fresh_s"] = statistics.median(x["total_s"] for x in fresh)
+    return out
 
 
 def finalize(row: dict, prefill_times: list[float], decode_times: list[float]) -> dict:
@@ -356,6 +411,17 @@ def finalize(row: dict, prefill_times: list[float], decode_times: list[float]) -
         row["est_decode_s_per_token_with_comm"] = t + comm["decode_s_per_token"]
         if row.get("decode_floor_s"):
             row["decode_x_floor"] = t / row["decode_floor_s"]
+    for g in row.get("generate", []):
+        n = g["new_tokens"]
+        # end to end: the call's wall time per new token (prefill included); decode part: after the first token
+        g["first_ms_per_token"] = 1e3 * g["first_s"] / n
+        g["ms_per_token"] = 1e3 * g["rest_s"] / n
+        g["decode_ms_per_token"] = 1e3 * (g["rest_s"] - g["rest_ttft_s"]) / (n - 1)
+        if "fresh_s" in g:
+            g["fresh_ms_per_token"] = 1e3 * g["fresh_s"] / n
+        if decode_times:
+            g["x_steady"] = g["ms_per_token"] / (1e3 * row["decode_s_per_token"])
+            g["decode_x_steady"] = g["decode_ms_per_token"] / (1e3 * row["decode_s_per_token"])
     return row
 
 
@@ -403,11 +469,31 @@ def table(rows: list[dict]) -> str:
             _f(gb(r.get("weights_bytes")), ".2f"), pred_prefill, _f(ms(comm.get("decode_s_per_token")), ".3f"),
             _f(r.get("est_prefill_s_with_comm"), ".3f"), _f(ms(r.get("est_decode_s_per_token_with_comm")), ".2f"),
         ])
-    lines = [md_table(head, cells), "", "Commands (each row measured in its own process):", ""]
+    lines = [md_table(head, cells), ""]
+    gen = generate_table(rows)
+    if gen:
+        lines += [gen, ""]
+    lines += ["Commands (each row measured in its own process):", ""]
     for i, r in enumerate(rows, 1):
         lines.append(f"{i}. `{r['command']}`" + (f" -- {r['error']}" if r.get("error") and r["status"] != "ok"
                                                  else ""))
     return "\n".join(lines)
+
+
+def generate_table(rows: list[dict]) -> str:
+    """Whole generate calls beside the steady-state step (rows measured with --new-tokens)."""
+    head = ["#", "config", "prompt", "new tokens", "steady ms/token", "first call ms/token", "ms/token (calls 2..N)",
+            "x steady", "after 1st token ms/token", "x steady (decode)", "new decoder per call ms/token"]
+    cells = []
+    for i, r in enumerate(rows, 1):
+        steady = r.get("decode_s_per_token")
+        for g in r.get("generate", []):
+            cells.append([str(i), r["config"], f"{r['prompt_len']:,}", str(g["new_tokens"]),
+                          _f(None if steady is None else 1e3 * steady, ".2f"), _f(g["first_ms_per_token"], ".2f"),
+                          _f(g["ms_per_token"], ".2f"), _f(g.get("x_steady"), ".2f"),
+                          _f(g["decode_ms_per_token"], ".2f"), _f(g.get("decode_x_steady"), ".2f"),
+                          _f(g.get("fresh_ms_per_token"), ".2f")])
+    return md_table(head, cells) if cells else ""
 
 
 def main(argv=None) -> None:

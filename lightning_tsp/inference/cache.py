@@ -52,9 +52,34 @@ class KVCache:
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
             slot_pos=torch.full((batch, slots), -1, dtype=torch.long, device=device),
-            prompt_lens=prompt_lens.to(device), prefill_slots=prefill_slots, capacity=cap, step=0,
+            prompt_lens=prompt_lens.to(device, copy=True), prefill_slots=prefill_slots, capacity=cap, step=0,
             rank=rank, size=size, step_t=torch.zeros((), dtype=torch.long, device=device),
         )
+
+    def reuse(self, *, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, prefill_slots: int,
+              decode_steps: int, rank: int, size: int, prompt_lens: Tensor, dtype, device,
+              align: int = 1) -> "KVCache":
+        """This cache, emptied in place for a new prompt batch, if :meth:`allocate` with these arguments would give
+        the same shapes (ValueError otherwise). The buffers keep their addresses (a captured CUDA graph keeps
+        reading them) and end in the state of a new allocation, except for the first ``prefill_slots`` slots of
+        ``k``/``v``, which the prefill overwrites whole: every slot empty (``slot_pos`` -1), the decode slots
+        zeroed, step 0, the new prompt lengths. Nothing of the previous batch can leak into the next one."""
+        cap = prefill_slots + decode_slots(rank, size, decode_steps)
+        slots = -(-(cap + 1) // align) * align
+        want = (n_layers, (batch, n_kv_heads, slots, head_dim), prefill_slots, cap, rank, size, dtype,
+                torch.device(device))
+        have = (len(self.k), tuple(self.k[0].shape), self.prefill_slots, self.capacity, self.rank, self.size,
+                self.k[0].dtype, self.slot_pos.device)
+        if want != have or tuple(prompt_lens.shape) != (batch,):
+            raise ValueError(f"this KV cache (layers, shape, prefill slots, capacity, rank, size, dtype, device) = "
+                             f"{have} cannot take a batch that needs {want}: allocate a new one")
+        self.prompt_lens.copy_(prompt_lens)
+        self.slot_pos.fill_(-1)
+        for t in self.k + self.v:
+            t[:, :, prefill_slots:].zero_()
+        self.step = 0
+        self.step_t.zero_()
+        return self
 
     @property
     def length(self) -> int:

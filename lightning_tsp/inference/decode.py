@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -297,10 +298,16 @@ class Decoder:
     steps and replays it for every later token: the same kernels on the same buffers, launched at once. The
     collectives are captured with it (NCCL supports capture; the fake process group issues nothing). The first
     steps run eagerly and are real steps, so the capture itself changes nothing.
+
+    A decoder serves any number of prompt batches of its cache's shapes: refill the same cache with
+    ``prefill(..., cache=decoder.cache)`` (which empties it in place) and call on; the graph keeps replaying over
+    the same buffers (this is how ``generate`` keeps decoders across calls, see
+    :mod:`lightning_tsp.inference.decoders`). It refers to the model weakly, so a kept decoder does not keep its
+    model alive.
     """
 
     def __init__(self, model, cache: KVCache, graphs: bool | None = None, warmup: int = 2):
-        self.model, self.cache = model, cache
+        self._model, self.cache = weakref.ref(model), cache
         device = cache.slot_pos.device
         self.graphs = device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and device.type != "cuda":
@@ -310,8 +317,16 @@ class Decoder:
         self.tokens = torch.zeros(cache.prompt_lens.shape[0], dtype=torch.long, device=device)
         self.logits: Tensor | None = None
 
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise RuntimeError("this Decoder's model has been deleted")
+        return model
+
     def _eager(self) -> Tensor:
-        return local_logits(self.model, _step(self.model, self.cache, self.tokens))
+        model = self.model
+        return local_logits(model, _step(model, self.cache, self.tokens))
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor) -> Tensor:
@@ -320,10 +335,11 @@ class Decoder:
         if self.graph is not None:
             self.graph.replay()
         elif self.graphs and self.cache.step >= self.warmup:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self.logits = self._eager()
-            self.graph.replay()  # capture records without running: run the step now
+            graph.replay()  # capture records without running: run the step now
+            self.graph = graph  # only a complete capture is kept
         else:
             self.logits = self._eager()
         self.cache.step += 1

@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.decode import Decoder
+from lightning_tsp.inference.decoders import DecoderKey, decoder_pool
 from lightning_tsp.inference.prefill import prefill
 from lightning_tsp.inference.prompts import as_prompt_list, pad_right, validate_prompts
 from lightning_tsp.inference.sampling import SamplingConfig, TokenChooser
@@ -45,6 +46,7 @@ def generate(
     max_seq_len: int | None = None,
     streamer: Callable[[int, Tensor], None] | None = None,
     cuda_graphs: bool | None = None,
+    keep_decoder: bool = True,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens for every prompt with a :class:`TSPLlama` (any D, or D = 1).
 
@@ -57,6 +59,14 @@ def generate(
     ``cuda_graphs`` (default: on for a CUDA model) replays each decode step as one CUDA graph (see
     :class:`~lightning_tsp.inference.decode.Decoder`). The host reads each token one step late, so when every
     sequence has ended the returned ``cache`` holds the K/V of one token more than the output shows.
+
+    ``keep_decoder`` (default on): the decoder (KV cache buffers, CUDA graph) is kept for the model and reused by
+    the next call with the same shapes (batch size, padded prompt length, ``max_new_tokens``, graphs, the model's
+    dtype, device and parameter storage), which then skips the cache allocation, the eager warm-up steps and the
+    graph capture and gives exactly the tokens a new decoder gives. At most ``decoder_pool(model).limit`` (default
+    1) are kept per model; ``lightning_tsp.inference.release(model)`` frees them (see
+    :mod:`lightning_tsp.inference.decoders`). The returned ``cache`` is then the kept one: the next call of the
+    same shapes refills it.
     """
     prompts = as_prompt_list(input_ids)
     cfg = model.cfg
@@ -74,9 +84,15 @@ def generate(
     ids, lens = pad_right(prompts, model.tsp.size, pad_token_id, device)
     b = len(prompts)
 
-    cache, hidden = prefill(model, ids, lens, decode_steps=max_new_tokens - 1)
+    graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+    pool = decoder_pool(model) if keep_decoder else None
+    key = DecoderKey.of(model, b, ids.shape[1], max_new_tokens - 1, graphs) if pool is not None else None
+    decoder = pool.take(key) if pool is not None else None  # out of the pool while in use: a failed call keeps nothing
+    cache, hidden = prefill(model, ids, lens, decode_steps=max_new_tokens - 1,
+                            cache=None if decoder is None else decoder.cache)
+    if decoder is None:
+        decoder = Decoder(model, cache, graphs=graphs)
     offset = vocab_offset(model)
-    decoder = Decoder(model, cache, graphs=cuda_graphs)
     pending = _HostTokens(b, max_new_tokens, device)
     done = torch.zeros(b, dtype=torch.bool)
     lengths = [0] * b
@@ -104,6 +120,8 @@ def generate(
             finished = step
             break
     out = pending.out if finished is None else pending.out[:, :finished]
+    if pool is not None:
+        pool.put(key, decoder)
     return GenerationOutput(out, lengths, prompts, cache)
 
 

@@ -51,11 +51,13 @@ def attention_prefill(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor
 
 
 @torch.no_grad()
-def prefill(model, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -> tuple[KVCache, Tensor]:
+def prefill(model, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int,
+            cache: KVCache | None = None) -> tuple[KVCache, Tensor]:
     """Run the prompt batch once.
 
     ``padded_ids`` [B, P]: the FULL right-padded batch (identical on every rank), P a multiple of 2D;
-    ``prompt_lens`` [B]: real lengths; ``decode_steps``: how many decode tokens the cache must be able to take.
+    ``prompt_lens`` [B]: real lengths; ``decode_steps``: how many decode tokens the cache must be able to take;
+    ``cache``: a cache of exactly these shapes to fill in place instead of a new one (:meth:`KVCache.reuse`).
     Returns the cache (this rank's 1/D) and the final-norm hidden state [B, h] of each sequence's last prompt
     token, replicated on every rank (one all-reduce of B*h values).
     """
@@ -67,11 +69,12 @@ def prefill(model, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -
     positions = zigzag_positions(s, d, p, device=device)
     x = model.model.embed_tokens(ids)
     cos, sin = model.rope(positions, x.dtype)
-    cache = KVCache.allocate(
+    shapes = dict(
         n_layers=cfg.n_layers, batch=b, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         prefill_slots=s // d, decode_steps=decode_steps, rank=p, size=d, prompt_lens=prompt_lens,
         dtype=x.dtype, device=device, align=CUDA_SLOT_ALIGN if device.type == "cuda" else 1,
     )
+    cache = KVCache.allocate(**shapes) if cache is None else cache.reuse(**shapes)
     real = positions[None, :] < prompt_lens.to(device)[:, None]  # [B, S/D]
     cache.slot_pos[:, : s // d] = torch.where(real, positions[None, :], -1)
     for i, layer in enumerate(model.model.layers):
