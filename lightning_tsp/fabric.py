@@ -1,20 +1,22 @@
 """``TSPFabricStrategy``: Tensor and Sequence Parallelism for Lightning Fabric (``Fabric(strategy="tsp")``).
 
 The Fabric counterpart of :class:`~lightning_tsp.strategy.TSPStrategy`, with the same sharding code
-(:mod:`lightning_tsp.sharding`)::
+(:mod:`lightning_tsp.sharding`). A single-process Fabric loop runs unchanged with ``strategy="tsp"``::
 
     fabric = Fabric(strategy="tsp", devices=2, precision="bf16-mixed")   # after `import lightning_tsp`
     fabric.launch()
-    model = fabric.setup_module(TSPLlama(cfg, device="meta"))            # converted, sharded, DTensor parameters
+    model = fabric.setup_module(LlamaForCausalLM(config))                # converted, sharded, DTensor parameters
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))
     loader = fabric.setup_dataloaders(loader)                            # split over the data-parallel axis only
-    for batch in loader:                                                 # {"input_ids": [B, S], optional "labels"}
-        batch = fabric.strategy.batch_to_device(batch)                   # this rank's zigzag slice + N / dp
-        loss = model(**batch)
+    for batch in loader:                                                 # full sequences: input_ids, labels, ...
+        loss = model(**batch).loss                                       # sharded by the model (GlobalBatchModel)
         fabric.backward(loss)                                            # + data-parallel gradient average
         fabric.clip_gradients(model, optimizer, max_norm=1.0)            # exact global norm
         optimizer.step(); optimizer.zero_grad()
     fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": step})   # DCP + tsp_model.json
+
+The built-in model (``TSPLlama(cfg, device="meta")``) runs the same way (its forward returns the loss tensor), and
+a batch already sharded by ``fabric.strategy.batch_to_device(batch)`` is passed through as is.
 
 Checkpoints have the Trainer's layout (``state_dict.<model prefix>.<name>``, ``optimizer_0`` ..., ``meta.pt``,
 ``tsp_model.json``): a bare TSPLlama is saved under the prefix ``model`` (the attribute of ``TSPLanguageModel``),
@@ -52,9 +54,10 @@ from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.convert import convert_modules
 from lightning_tsp.mesh import TSP_DIM, SizeArg, TSPMeshMixin
 from lightning_tsp.models import named_tsp_models
+from lightning_tsp.models.llama import TSPLlama
 from lightning_tsp.strategy import SUPPORTED_PRECISIONS, precision_error
 
-__all__ = ["TSPFabricStrategy", "BARE_MODEL_PREFIX"]
+__all__ = ["TSPFabricStrategy", "GlobalBatchModel", "BARE_MODEL_PREFIX"]
 
 BARE_MODEL_PREFIX = "model"  # a bare TSPLlama is checkpointed as the `model` attribute of a LightningModule
 FABRIC_OPTIMIZER_KEYS = "fabric_optimizer_keys"  # meta.pt: the state keys of the optimizers, in DCP order
@@ -62,6 +65,34 @@ FABRIC_OPTIMIZER_KEYS = "fabric_optimizer_keys"  # meta.pt: the state keys of th
 
 def _identity(module: nn.Module, _mesh: Any) -> nn.Module:
     return module
+
+
+class GlobalBatchModel(nn.Module):
+    """The module that ``fabric.setup_module`` runs for a TSP model (built-in, or converted from Hugging Face): it
+    takes the GLOBAL batch, as the model does in one process.
+
+    ``model(input_ids=..., labels=..., attention_mask=..., position_ids=...)`` (full sequences [B, S]; the Trainer's
+    batch contract, :func:`lightning_tsp.sharding.shard_global_batch`) is sharded by the strategy's
+    ``batch_to_device`` (this rank's zigzag slice and ``N / dp``: one all-reduce over the world, so every rank calls
+    the model) and then runs the TSP model. A batch that ``fabric.strategy.batch_to_device`` already sharded (it has
+    ``targets``) runs as is. Returns what the TSP model returns: the loss tensor of a ``TSPLlama``,
+    ``CausalLMOutputWithPast`` (``.loss``; ``logits`` is None; ``MoeCausalLMOutputWithPast`` for a mixture of
+    experts) of a converted Hugging Face model.
+    """
+
+    def __init__(self, model: TSPLlama, shard: Callable[[Mapping[str, Any]], dict[str, Tensor]]) -> None:
+        super().__init__()
+        self.model = model  # BARE_MODEL_PREFIX: checkpoints keep the layout of a bare model
+        self._shard = shard
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1 or "targets" in kwargs:  # this rank's slice already (fabric.strategy.batch_to_device)
+            return self.model(*args, **kwargs)
+        if args:
+            if "input_ids" in kwargs:
+                raise TypeError("input_ids given both positionally and as a keyword")
+            kwargs["input_ids"] = args[0]
+        return self.model(**self._shard(kwargs))
 
 
 class _TSPBackwardSyncControl(_BackwardSyncControl):
@@ -151,43 +182,58 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Convert (Hugging Face / registered architectures), shard every unsharded TSPLlama over the TSP group,
-        register its parameters as DTensors and install the data-parallel gradient hooks."""
+        register its parameters as DTensors and install the data-parallel gradient hooks.
+
+        ``module`` may be a TSPLlama, a converted architecture (e.g. a Hugging Face ``LlamaForCausalLM``) or a
+        module holding such models. For the first two, Fabric runs a :class:`GlobalBatchModel` (it shards full
+        batches); Fabric keeps ``module`` for ``state_dict`` and attribute access, so a TSPLlama takes on its shard's
+        state, and a converted model's parameters become the TSP model's (the same DTensors, under the same names).
+        A holder runs its own forward (shard its batches with ``batch_to_device``)."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         if any(isinstance(mod, FullyShardedDataParallel) for mod in module.modules()):
             raise TSPConfigError("TSPFabricStrategy cannot run modules wrapped in FullyShardedDataParallel (FSDP1)")
-        # Fabric keeps the object passed to setup_module (its wrapper registers it and reads its state_dict), so a
-        # model that is itself replaced (converted, or an unsharded TSPLlama) must become its replacement in place
+        original = dict(module.named_parameters())
         holder = nn.Module()
         holder.add_module(BARE_MODEL_PREFIX, module)
         convert_modules(holder)
-        if holder.get_submodule(BARE_MODEL_PREFIX) is not module:
-            raise TSPConfigError(
-                f"fabric.setup_module got a {type(module).__name__} that lightning_tsp.convert replaces by a "
-                f"{type(holder.get_submodule(BARE_MODEL_PREFIX)).__name__}; Fabric keeps the object it is given, so "
-                f"pass a module that holds it instead, e.g. fabric.setup_module(torch.nn.ModuleDict({{'model': m}}))"
-            )
+        converted = holder.get_submodule(BARE_MODEL_PREFIX)
+        if converted is not module:
+            names = {n for n, _ in converted.named_parameters()}
+            if names != set(original):
+                raise TSPConfigError(
+                    f"fabric.setup_module got a {type(module).__name__} that lightning_tsp.convert replaces by a "
+                    f"{type(converted).__name__} with other parameter names ({sorted(names ^ set(original))[:4]}); "
+                    f"Fabric keeps the object it is given, so pass a module that holds it instead, e.g. "
+                    f"fabric.setup_module(torch.nn.ModuleDict({{'model': m}}))"
+                )
         found = sharding.shard_tsp_modules(holder, self.tsp_group, self.root_device, "TSPFabricStrategy")
         sharded = holder.get_submodule(BARE_MODEL_PREFIX)
-        if sharded is not module:  # the unsharded TSPLlama itself: it takes on its shard's state (same class)
+        if converted is module and sharded is not module:  # the unsharded TSPLlama: takes on its shard's state
             module.__dict__.update(sharded.__dict__)
             found = [(name, module if m is sharded else m) for name, m in found]
-        _materialize_distributed_module(module, self.root_device)
-        module.to(self.root_device)
+            sharded = module
+        forward = GlobalBatchModel(sharded, self.batch_to_device) if isinstance(sharded, TSPLlama) else module
+        _materialize_distributed_module(forward, self.root_device)
+        forward.to(self.root_device)
         self._replicas = {}
         for _, tsp_model in found:
             self._replicas.update(sharding.distribute_parameters(tsp_model, self.device_mesh[TSP_DIM]))
+        if converted is not module:
+            _share_parameters(module, original, dict(sharded.named_parameters()))
         assert self._averager is not None
-        self._averager.install(module)
-        return module
+        self._averager.install(forward)
+        return forward
 
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
                                     ) -> tuple[nn.Module, list[Optimizer], Any]:
         raise TSPConfigError(
-            "TSPFabricStrategy replaces the model's parameters by their shards: set up the model first, then create "
-            "the optimizer from its parameters: `model = fabric.setup_module(model)`, "
-            "`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`"
+            f"fabric.setup(model, optimizer) with the {type(module).__name__}: TSPFabricStrategy replaces the model's "
+            f"parameters by their shards, so an optimizer made before cannot hold them: set up the model first, then "
+            f"create the optimizer from its parameters (as for Fabric's ModelParallelStrategy): "
+            f"`model = fabric.setup_module(model)`, "
+            f"`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`"
         )
 
     # ---- data ----------------------------------------------------------------------------------------------
@@ -362,6 +408,17 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
                 else:
                     state[k] = value
         return metadata
+
+
+def _share_parameters(module: nn.Module, original: Mapping[str, nn.Parameter],
+                      sharded: Mapping[str, nn.Parameter]) -> None:
+    """Make every parameter of the converted ``module`` (``original``: its parameters by name, taken before the
+    conversion) the TSP model's parameter of the same name (``sharded``), tied parameters included. ``module``'s own
+    forward is no longer run; its ``state_dict`` and ``parameters`` are then the TSP model's."""
+    new = {id(p): sharded[name] for name, p in original.items()}
+    for sub in module.modules():
+        for attr, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, attr, new[id(p)])
 
 
 def _saved_model_prefix(path: Path) -> str:
