@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_tsp import TSPConfigError
 from lightning_tsp.inference import decoder_pool, generate, release
 from tests.dist_utils import run_distributed
 from tests.reference import world_tsp
@@ -100,6 +101,17 @@ def run_loop(model, want: dict) -> None:
     again = generate(model, p, n)
     assert again.cache is not seen["A"] and torch.equal(again.tokens, want[name])
 
+    # prompts padded to a bucket: other longest prompts, one padded length, one decoder; tokens as without padding
+    bucket = [(_prompts(6, (5, 11, 1)), 24), (_prompts(7, (3, 20, 7)), 24)]
+    kept = None
+    for q, mult in bucket:
+        out = generate(model, q, n, pad_to_multiple_of=mult)
+        fresh = generate(model, q, n, pad_to_multiple_of=mult, keep_decoder=False)
+        assert torch.equal(out.tokens, fresh.tokens) and same_cache(out.cache, fresh.cache)
+        assert torch.equal(out.tokens, generate(model, q, n, keep_decoder=False).tokens)
+        assert out.cache.prefill_slots * model.tsp.size == 24 and (kept is None or out.cache is kept)
+        kept = out.cache
+
     # release: empty, then a later call works (and is kept again)
     assert release(model) == 2 and len(pool) == 0
     assert torch.equal(generate(model, p, n).tokens, want[name]) and len(pool) == 1
@@ -138,6 +150,8 @@ def test_pool_limit_and_model_lifetime():
     model = build()
     with pytest.raises(ValueError, match="limit"):
         decoder_pool(model).limit = -1
+    with pytest.raises(TSPConfigError, match="pad_to_multiple_of=0"):
+        generate(model, [[1]], 2, pad_to_multiple_of=0)
     generate(model, CALLS[0][1], N_NEW)
     assert len(decoder_pool(model)) == 1
     gone = weakref.ref(model)

@@ -33,7 +33,7 @@ class DecoderKey:
     """What a kept decoder must match. Sampling settings are not in it: the token choice runs after the graph."""
 
     batch: int
-    padded_len: int  # the prompt batch right-padded to a multiple of 2D (the cache's prefill slots x D)
+    padded_len: int  # the prompt batch right-padded to a multiple of 2D (or a bucket): prefill slots x D
     decode_steps: int  # max_new_tokens - 1: the cache's decode slots
     graphs: bool
     device: torch.device

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tsp.checks import TSPConfigError
@@ -47,6 +49,7 @@ def generate(
     streamer: Callable[[int, Tensor], None] | None = None,
     cuda_graphs: bool | None = None,
     keep_decoder: bool = True,
+    pad_to_multiple_of: int | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens for every prompt with a :class:`TSPLlama` (any D, or D = 1).
 
@@ -66,11 +69,16 @@ def generate(
     graph capture and gives exactly the tokens a new decoder gives. At most ``decoder_pool(model).limit`` (default
     1) are kept per model; ``lightning_tsp.inference.release(model)`` frees them (see
     :mod:`lightning_tsp.inference.decoders`). The returned ``cache`` is then the kept one: the next call of the
-    same shapes refills it.
+    same shapes refills it. ``pad_to_multiple_of``: right-pad the prompt batch to a multiple of this many tokens
+    (and of 2D) instead of 2D only, so that calls whose longest prompts differ a little share a kept decoder (the
+    pad slots cost prefill compute and stay empty in the cache; the tokens do not change).
     """
     prompts = as_prompt_list(input_ids)
     cfg = model.cfg
     validate_prompts(prompts, cfg.vocab_size, max_new_tokens, max_seq_len)
+    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+        raise TSPConfigError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int (a number of "
+                             f"tokens) or None")
     window, longest = getattr(cfg, "sliding_window", None), max(len(p) for p in prompts) + max_new_tokens - 1
     if window is not None and longest > window:  # Hugging Face Mistral / Qwen configs with a sliding window
         raise TSPConfigError(
@@ -82,6 +90,9 @@ def generate(
     chooser = TokenChooser(sampling, cfg.vocab_size, model.tsp)  # validates the sampling arguments
     device = next(model.parameters()).device
     ids, lens = pad_right(prompts, model.tsp.size, pad_token_id, device)
+    if pad_to_multiple_of is not None:
+        mult = math.lcm(pad_to_multiple_of, 2 * model.tsp.size)
+        ids = F.pad(ids, (0, -(-ids.shape[1] // mult) * mult - ids.shape[1]), value=pad_token_id)
     b = len(prompts)
 
     graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
