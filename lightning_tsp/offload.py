@@ -102,7 +102,7 @@ class StashChain:
 
 
 @contextlib.contextmanager
-def _stashing(layer: nn.Module, stash: AttentionStash | None):
+def stashing(layer: nn.Module, stash: AttentionStash | None):
     attn = getattr(layer, "self_attn", None)
     if stash is None or not isinstance(attn, TSPAttention):
         yield
@@ -129,7 +129,7 @@ class StashedCheckpoint(torch.autograd.Function):
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
             else (False, None)
         stash = AttentionStash()
-        with torch.no_grad(), _stashing(layer, stash):
+        with torch.no_grad(), stashing(layer, stash):
             y = layer(x, *args)
         # [x, then every attention output and log-sum-exp in order]: what the re-run replays
         kept = [chain.keep(x)] + [None if t is None else chain.keep(t) for item in stash.items for t in item]
@@ -157,7 +157,7 @@ class StashedCheckpoint(torch.autograd.Function):
         stash.replaying = True
         dev = x.device.type
         enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), _stashing(ctx.layer, stash):
+        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), stashing(ctx.layer, stash):
             y = ctx.layer(x, *args)
         assert not stash.items, "the recomputation did not replay every attention output"
         pairs = [(t, g) for t, g in zip(_tensors(y), grads) if t is not None and g is not None and t.requires_grad]

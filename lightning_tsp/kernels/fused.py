@@ -11,7 +11,11 @@ A compiled call costs more host time than the eager kernels it replaces take to 
 GPU, not the host, bounds the step. Measured on an H200 (paper 7B, D = 8, 2 layers): 64K -8% GPU and wall time,
 8K and 16K slower (their steps are host-bound). The function therefore runs compiled only when its call covers at
 least :data:`MIN_FUSED_TOKENS` tokens (its ``tokens`` rule), and eagerly otherwise: on CPU, for short sequences
-and decoding, inside an outer ``torch.compile`` (which traces it itself) and during CUDA-graph capture.
+and decoding, inside an outer ``torch.compile`` (which traces it itself) and during other CUDA-graph captures.
+
+Inside a CUDA-graphed layer (:mod:`lightning_tsp.graphs`, :func:`compiled_at_any_length`) the host cost is paid
+once, at capture, so the pieces run compiled at every length: compiled in the eager warm-up step, then captured
+(a capture only reuses a piece compiled before it; a piece never compiled runs eagerly).
 
 ``LIGHTNING_TSP_FUSED=0`` turns it off everywhere (the benchmarks' before/after switch).
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+from contextlib import contextmanager
 from typing import Callable, TypeVar
 
 import torch
@@ -27,10 +33,31 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 MIN_FUSED_TOKENS = 4096  # local tokens of one call (32K at D = 8); shorter calls run eagerly
+# compiled variants kept per piece: one per (shape class, grad mode, dtype) it meets (forward under no_grad,
+# recomputation under grad, fp32 and bf16, layer and q/k norms, several lengths in one process); torch's default
+# of 8 is too few and, with fullgraph=True, failing past it would stop the run
+RECOMPILE_LIMIT = 64
+
+
+_ANY_LENGTH = threading.local()
 
 
 def fusion_enabled() -> bool:
     return os.environ.get("LIGHTNING_TSP_FUSED", "1") != "0"
+
+
+@contextmanager
+def compiled_at_any_length():
+    """On this thread, inside the block: pieces run compiled whatever their size (a CUDA-graphed layer)."""
+    _ANY_LENGTH.depth = getattr(_ANY_LENGTH, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ANY_LENGTH.depth -= 1
+
+
+def _any_length() -> bool:
+    return getattr(_ANY_LENGTH, "depth", 0) > 0
 
 
 def fused_on_cuda(tokens: Callable[[torch.Tensor], int]) -> Callable[[F], F]:
@@ -44,12 +71,17 @@ def fused_on_cuda(tokens: Callable[[torch.Tensor], int]) -> Callable[[F], F]:
         def call(*args, **kwargs):
             nonlocal compiled
             x = args[0]
-            if (not x.is_cuda or tokens(x) < MIN_FUSED_TOKENS or not fusion_enabled()
-                    or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+            if not x.is_cuda or not fusion_enabled() or torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
+            graphed = _any_length()
+            if tokens(x) < MIN_FUSED_TOKENS and not graphed:
+                return fn(*args, **kwargs)
+            if torch.cuda.is_current_stream_capturing() and (compiled is None or not graphed):
+                return fn(*args, **kwargs)  # nothing is compiled inside a capture
             if compiled is None:
                 compiled = torch.compile(fn, fullgraph=True)
-            return compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(*args, **kwargs)
 
         call.eager = fn  # the plain function (tests compare it with the compiled one)
         return call  # type: ignore[return-value]

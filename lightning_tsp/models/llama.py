@@ -7,6 +7,7 @@ plain unsharded model and issues no collective.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -22,6 +23,7 @@ from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMH
 from lightning_tsp.layers.attention import Documents
 from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_loss
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
+from lightning_tsp.graphs import GRAPHED_CHECKPOINTING, LayerGraphs
 from lightning_tsp.offload import StashChain, stashed_checkpoint
 from lightning_tsp.planning.collectives import ATTENTION_REPLAYED
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
@@ -214,6 +216,7 @@ class TSPLlama(nn.Module):
         token_chunk: int = 4096,
         kv_bucket_heads: int | None = None,
         shard_group: int | str = "auto",
+        cuda_graphs: bool = False,
         device=None,
         dtype=None,
     ):
@@ -234,6 +237,9 @@ class TSPLlama(nn.Module):
         self.cfg, self.tsp, self.activation_checkpointing = cfg, tsp, activation_checkpointing
         self.attention_kernel, self.token_chunk, self.kv_bucket_heads = attention_kernel, token_chunk, kv_bucket_heads
         self.shard_group = shard_group
+        check_cuda_graphs(cuda_graphs, activation_checkpointing, cfg)
+        self.cuda_graphs = cuda_graphs
+        self._layer_graphs: LayerGraphs | None = None
         kw = dict(device=device, dtype=dtype)
         self.model = _Backbone(cfg, tsp, attention_kernel, kv_bucket_heads, shard_group, **kw)
         self.lm_head = TSPLMHead(cfg.vocab_size, cfg.hidden_size, tsp, token_chunk, tied=cfg.tie_embeddings, **kw)
@@ -359,10 +365,15 @@ class TSPLlama(nn.Module):
             documents = Documents(document_starts(position_ids, self.tsp.size, self.tsp.rank), self.tsp)
         router_stats = None
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
+        graphs = self._graphs_for(x, cos, documents) if self.cuda_graphs and mode != "none" else None
+        if graphs is not None:
+            cos, sin = graphs.begin_step(cos, sin)
         # keep-attention / offload: the layer input and the attention outputs, on the GPU / in pinned host memory
         chain = StashChain("host" if mode == "offload" else "device") if mode in ATTENTION_REPLAYED else None
-        for layer in self.model.layers:
-            if mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
+        for i, layer in enumerate(self.model.layers):
+            if graphs is not None:  # captured once, replayed every step (lightning_tsp.graphs)
+                x, stats = graphs(i, x, cos, sin), None
+            elif mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
                 x, stats = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
             elif chain is not None:  # as full, without re-running the K/V gathers and attention kernels
                 x, stats = stashed_checkpoint(layer, chain, x, cos, sin, documents)
@@ -371,6 +382,27 @@ class TSPLlama(nn.Module):
             if stats is not None:
                 router_stats = stats if router_stats is None else router_stats + stats
         return self.model.norm(x), router_stats
+
+    def _graphs_for(self, x: Tensor, cos: Tensor, documents: Documents | None) -> LayerGraphs:
+        """The layers' CUDA graphs for this step's signature (new ones, released the old, when it changed)."""
+        if not x.is_cuda and self._layer_graphs is None:
+            warnings.warn(f"cuda_graphs=True on {x.device}: no CUDA graphs there; the graphed layers' code runs "
+                          "eagerly every step (the same computation)", stacklevel=3)
+        if documents is not None:
+            raise TSPConfigError("cuda_graphs=True does not run packed documents (position_ids [B, S/D]: their "
+                                 "masks change every step): build the model with cuda_graphs=False")
+        dev = x.device.type
+        signature = (tuple(x.shape), x.dtype, tuple(cos.shape), cos.dtype, self.activation_checkpointing,
+                     torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        if self._layer_graphs is None or self._layer_graphs.signature != signature:
+            self._layer_graphs = None  # release the old graphs (and their memory pool) first
+            self._layer_graphs = LayerGraphs(self.model.layers, self.activation_checkpointing == "keep-attention",
+                                             signature, capture=x.is_cuda)
+        return self._layer_graphs
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured layer graphs and their memory; the next training step starts a new warm-up."""
+        self._layer_graphs = None
 
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [..., d] of the rotary embedding at the given global positions (training, prefill and decode
@@ -424,6 +456,20 @@ class TSPLlama(nn.Module):
             rows = input_ids.numel() * self.cfg.n_moe_layers  # this rank's (token, layer) rows
             aux = load_balancing_loss(router_stats, rows, self.tsp)
         return loss, aux
+
+
+def check_cuda_graphs(cuda_graphs: bool, activation_checkpointing: str, cfg: ModelConfig) -> None:
+    """``cuda_graphs`` can run with this checkpointing mode and model, or a TSPConfigError saying what to change."""
+    if not isinstance(cuda_graphs, bool):
+        raise TSPConfigError(f"cuda_graphs={cuda_graphs!r}: give True or False")
+    if not cuda_graphs:
+        return
+    if activation_checkpointing not in GRAPHED_CHECKPOINTING:
+        raise TSPConfigError(f"cuda_graphs=True with activation_checkpointing={activation_checkpointing!r}: graphed "
+                             f"layers are checkpointed layers, choose one of {GRAPHED_CHECKPOINTING}")
+    if cfg.n_moe_layers:
+        raise TSPConfigError(f"cuda_graphs=True with {cfg.n_moe_layers} mixture-of-experts layer(s): their routing "
+                             "changes shapes every step; build the model with cuda_graphs=False")
 
 
 def gather_full(local: Tensor, dim: int | None, tsp: TSPGroup, replicas: int = 1) -> Tensor:

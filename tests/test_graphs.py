@@ -1,0 +1,80 @@
+"""cuda_graphs=True: the graphed layers' code (the eager warm-up path that the CUDA-graph captures record) computes
+the same loss and gradients as the plain checkpointed model, on real gloo groups (fp64); bad settings are refused.
+The captured graphs themselves are checked on a GPU (tests/test_gpu.py::test_cuda_graphs_match_eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_tsp import TSPLlama
+from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.models.llama import ModelConfig
+from tests.dist_utils import run_distributed
+from tests.reference import assert_close, batch, full_grads, world_tsp
+
+S = 24
+
+
+def _cfg(d: int) -> ModelConfig:
+    return ModelConfig(vocab_size=240, hidden_size=48, n_layers=3, n_heads=2 * d, n_kv_heads=d, intermediate_size=96,
+                       head_dim=8)
+
+
+def _graphed_matches_plain(rank: int, world: int, mode: str) -> None:
+    torch.manual_seed(0)
+    cfg = _cfg(world)
+    plain = TSPLlama(cfg, world_tsp(), activation_checkpointing=mode, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="no CUDA graphs"):
+        graphed = TSPLlama(cfg, world_tsp(), activation_checkpointing=mode, cuda_graphs=True, dtype=torch.float64)
+        graphed.load_state_dict(plain.state_dict())
+        for step in range(3):  # a new batch each step: nothing of an earlier step may leak into a later one
+            ids, labels = batch(cfg, 2, S, seed=step)
+            inputs = plain.shard_batch(ids, labels)
+            losses, grads = [], []
+            for model in (plain, graphed):
+                model.zero_grad(set_to_none=True)
+                loss = model(*inputs)
+                loss.backward()
+                losses.append(loss.detach())
+                grads.append(full_grads(model))
+            tag = f"D={world} {mode} step {step}"
+            assert_close(f"{tag} loss", losses[1], losses[0], 1e-12)
+            assert grads[0].keys() == grads[1].keys()
+            for name in grads[0]:
+                assert_close(f"{tag} {name}", grads[1][name], grads[0][name], 1e-10)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["keep-attention", "full"])
+def test_graphed_layers_match_plain(world: int, mode: str) -> None:
+    run_distributed(_graphed_matches_plain, world, mode, timeout=240)
+
+
+def test_stale_backward_refused() -> None:
+    """A second forward before the first one's backward: the stale backward raises, never silently wrong."""
+    cfg = _cfg(1)
+    with pytest.warns(UserWarning, match="no CUDA graphs"):
+        model = TSPLlama(cfg, activation_checkpointing="keep-attention", cuda_graphs=True, dtype=torch.float64)
+        inputs = model.shard_batch(*batch(cfg, 2, S))
+        first = model(*inputs)
+        model(*inputs)
+    with pytest.raises(RuntimeError, match="another forward before this backward"):
+        first.backward()
+
+
+def test_cuda_graphs_settings_refused() -> None:
+    cfg = _cfg(1)
+    with pytest.raises(TSPConfigError, match="activation_checkpointing='none'"):
+        TSPLlama(cfg, cuda_graphs=True)
+    with pytest.raises(TSPConfigError, match="give True or False"):
+        TSPLlama(cfg, activation_checkpointing="full", cuda_graphs="yes")
+    moe = ModelConfig(vocab_size=240, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=96,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(TSPConfigError, match="mixture-of-experts"):
+        TSPLlama(moe, activation_checkpointing="full", cuda_graphs=True)
+    model = TSPLlama(cfg, activation_checkpointing="keep-attention", cuda_graphs=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, S))
+    packed = torch.cat([torch.arange(S // 2), torch.arange(S // 2)]).unsqueeze(0)  # two documents
+    with pytest.warns(UserWarning), pytest.raises(TSPConfigError, match="packed documents"):
+        model(ids, ids, packed)
