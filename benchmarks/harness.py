@@ -3,7 +3,9 @@ group (every collective returns at once), so a rank's exact peak memory and comp
 way for every strategy; the communication an 8-GPU H200 NVLink node would add comes from lightning_tsp.planning.
 
 Strategies (benchmarks/baselines/): tsp, tp, tp_sp (Megatron-style sequence parallelism), sp (zigzag context
-parallelism, all-gathered K/V), tp_x_sp (T x S mesh), fsdp_cp (FSDP2 over the context-parallel axis).
+parallelism, all-gathered K/V), tp_x_sp (T x S mesh), fsdp_cp (FSDP2 over the context-parallel axis), fsdp (plain
+FSDP2 data parallelism: every rank runs whole sequences of its own micro-batch). ``--compile`` runs a rival as its
+users do: each transformer block under torch.compile, torchtitan's way (TSP compiles its own pieces).
 
 One configuration (in this process):
     python -m benchmarks.harness --strategy tp_sp --model paper-7b --seq-len 131072 --world 8
@@ -33,7 +35,11 @@ from benchmarks.runner import (Deadline, append_jsonl, first_line, fmt, is_oom, 
                                run_config, seq_label, write_text)
 from lightning_tsp.planning import CHECKPOINTING
 
-STRATEGIES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "fsdp_cp")
+STRATEGIES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "fsdp_cp", "fsdp")
+COMPILE_SCOPES = ("checkpointed-block", "block")
+# keys every row carries (None where not measured: an OOM, a CPU peak, an unprofiled GPU busy time)
+ROW_KEYS = ("strategy", "seq_len", "compiled", "checkpointing", "attention_kernel", "step_s", "peak_gb", "gpu_busy_s",
+            "tokens_per_s_per_gpu", "model", "world", "layers", "status", "command")
 EXCLUDED = "all communication (fake process group: collectives return at once)"
 
 # reference/anchors.md: paper-7b, 32 layers, D = 8, micro-batch 1, bf16-mixed, AdamW, full checkpointing per
@@ -48,7 +54,8 @@ ANCHORS = {
 # every option that defines one configuration (forwarded to subprocesses and printed in each row's command)
 CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "world", "tp", "sp", "rank",
                "micro_batch", "precision", "checkpointing", "optimizer", "rmsnorm", "sdpa_backend", "attention_kernel",
-               "fsdp_precision", "kv_bucket_heads", "shard_group", "steps", "warmup", "device")
+               "fsdp_precision", "kv_bucket_heads", "shard_group", "compile", "compile_backend", "compile_scope", "steps",
+               "warmup", "device")
 
 
 def _shard_group(v: str) -> int | str:
@@ -90,6 +97,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="lightning_tsp kernel for the zigzag calls of tsp / sp / tp_x_sp / fsdp_cp")
     ap.add_argument("--fsdp-precision", choices=("policy", "autocast"), default="policy",
                     help="fsdp_cp: FSDP2 MixedPrecisionPolicy(bf16, fp32) as torchtitan, or bf16 autocast")
+    ap.add_argument("--compile", action="store_true",
+                    help="rivals: each transformer block under torch.compile (default mode; fullgraph except the "
+                         "context-parallel ones' zigzag attention), torchtitan's way. Not for tsp: TSP compiles its "
+                         "own pieces (lightning_tsp.kernels.fused; LIGHTNING_TSP_FUSED=0 turns them off)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: quick CPU tests)")
+    ap.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="checkpointed-block",
+                    help="what torch.compile wraps: the checkpointed block (torchtitan: recomputation inside the "
+                         "compiled graph) or the block inside the checkpoint wrapper")
     ap.add_argument("--steps", type=int, default=2, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
@@ -113,9 +128,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--jsonl", help="JSON lines file (appended; default: --out with suffix .jsonl)")
     ap.add_argument("--json-out", help=argparse.SUPPRESS)  # internal: a child writes its one row here
     args = ap.parse_args(argv)
+    if args.compile and args.strategy == "tsp" and not args.sweep:
+        ap.error(TSP_COMPILE)
     if args.strategy == "tp_x_sp":
         _fill_2d(args)
     return args
+
+
+TSP_COMPILE = ("--compile with strategy tsp: TSP compiles its own pieces (lightning_tsp.kernels.fused, on unless "
+               "LIGHTNING_TSP_FUSED=0; a tsp row's `compiled` says whether they are); --compile compiles the rivals' "
+               "blocks: measure tsp without it")
 
 
 def _fill_2d(args) -> None:
@@ -159,7 +181,10 @@ def single_command(args, strategy=None, seq=None, layers=None, tp=None, sp=None,
         v = vals[k]
         if v is None or (k not in ("model", "world") and v == defaults.get(k)):
             continue
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
+        if k in ("compile_backend", "compile_scope") and not vals["compile"]:
+            continue
+        flag = f"--{k.replace('_', '-')}"
+        cmd += [flag] if v is True else [flag, str(v)]
     return cmd + list(extra)
 
 
@@ -174,7 +199,8 @@ def make_setup(args, cfg, device: str):
                  tp=args.tp or 1, sp=args.sp or 1, checkpointing=args.checkpointing, device=device,
                  autocast=args.precision == "bf16-mixed", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
                  attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
-                 norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads, shard_group=args.shard_group)
+                 norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads, shard_group=args.shard_group,
+                 compile=args.compile, compile_backend=args.compile_backend, compile_scope=args.compile_scope)
 
 
 def measure(args) -> dict:
@@ -203,6 +229,7 @@ def measure(args) -> dict:
     setup = make_setup(args, cfg, device)
     times = []
     try:
+        row["attention_kernel"] = attention_used(setup)
         runner = build(setup)
         row["layout"] = runner.layout
         prime_optimizer(runner)
@@ -238,11 +265,25 @@ def measure(args) -> dict:
     return finalize(row)
 
 
+def attention_used(setup) -> str:
+    """The attention kernel a configuration runs: SDPA's backend for the square causal attention of tp / tp_sp /
+    fsdp, else lightning_tsp's kernel of the zigzag calls (as TSP and the context-parallel rivals resolve it)."""
+    from benchmarks.baselines.model import cp_kernel, resolve_sdpa_backend
+
+    if setup.strategy in SQUARE_ATTENTION:
+        return f"sdpa-{resolve_sdpa_backend(setup.sdpa_backend, setup.device)}"
+    return cp_kernel(setup).name
+
+
+SQUARE_ATTENTION = ("tp", "tp_sp", "fsdp")  # the rest attend zigzag chunks through a lightning_tsp kernel
+
+
 def base_row(args, cfg) -> dict:
     from lightning_tsp.kernels.fused import MIN_FUSED_TOKENS, fusion_enabled
 
     command = shlex.join(single_command(args))
     fused = fusion_enabled()
+    tsp = args.strategy == "tsp"
     return {
         "strategy": args.strategy, "layout": "", "model": args.model, "layers": cfg.n_layers,
         "hidden": cfg.hidden_size, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "ffn": cfg.intermediate_size,
@@ -251,9 +292,16 @@ def base_row(args, cfg) -> dict:
         "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads,
         "shard_group": args.shard_group, "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
-        "excluded": EXCLUDED, "status": "?",
+        "excluded": EXCLUDED, "status": "?", "step_s": None, "peak_gb": None, "tokens_per_s_per_gpu": None,
+        "gpu_busy_s": None,  # not profiled here: benchmarks.profile_step measures it
+        # as requested; measure() replaces it with the kernel it resolves to
+        "attention_kernel": f"sdpa-{args.sdpa_backend}" if args.strategy in SQUARE_ATTENTION else args.attention_kernel,
         # the elementwise pieces compiled on CUDA (lightning_tsp.kernels.fused) and from which call size
         "fused_elementwise": f"calls of >= {MIN_FUSED_TOKENS} tokens" if fused else "off",
+        # rivals: every block under torch.compile (--compile); tsp: its fused pieces compiled
+        "compiled": fused if tsp else args.compile,
+        "compile_backend": None if tsp or not args.compile else args.compile_backend,
+        "compile_scope": None if tsp or not args.compile else args.compile_scope,
         "command": command if fused else f"LIGHTNING_TSP_FUSED=0 {command}",
     }
 
@@ -278,7 +326,7 @@ def predicted_comm(row: dict) -> dict:
         entries = communication(shape, Layout("fsdp", w, gpn, fsdp=w), prec, B, S, mode)
         entries += [e for e in communication(shape, Layout("sp", w, gpn, sp=w), prec, B, S, mode) if e.group == "sp"]
     else:
-        kw = {"tsp": dict(tsp=w), "tp": dict(tp=w), "tp_sp": dict(tp=w), "sp": dict(sp=w),
+        kw = {"tsp": dict(tsp=w), "tp": dict(tp=w), "tp_sp": dict(tp=w), "sp": dict(sp=w), "fsdp": dict(fsdp=w),
               "tp_x_sp": dict(tp=row["tp"] or 1, sp=row["sp"] or 1)}[s]
         layout = Layout(s, w, gpn, **kw)
         entries = communication(shape, layout, prec, B, S, mode, shard_group=row.get("shard_group") or "auto")
@@ -292,14 +340,20 @@ def predicted_comm(row: dict) -> dict:
     return out
 
 
+def sharing_a_micro_batch(row: dict) -> int:
+    """GPUs that process one micro-batch of B sequences of S tokens together: the whole group (D, or T x S), but one
+    for fsdp (each rank runs its own micro-batch), so tokens per GPU per step are B * S / D, or B * S for fsdp."""
+    return 1 if row["strategy"] == "fsdp" else row["world"]
+
+
 def finalize(row: dict) -> dict:
     from lightning_tsp.planning.flops import training_flops
     from lightning_tsp.planning.model import ModelShape
 
     shape = ModelShape(row["vocab"], row["hidden"], row["layers"], row["heads"], row["kv_heads"], row["ffn"])
-    tokens = row["micro_batch"] * row["seq_len"]
+    sharing = sharing_a_micro_batch(row)
     model_flops = training_flops(shape, row["micro_batch"], row["seq_len"], row["checkpointing"])["model"]
-    row["model_flops_per_gpu"] = model_flops / row["world"]
+    row["model_flops_per_gpu"] = model_flops / sharing
     if row["strategy"] == "tsp":  # the g that "auto" resolves to, as the model resolves it
         from lightning_tsp.planning.collectives import resolve_shard_group
 
@@ -312,8 +366,9 @@ def finalize(row: dict) -> dict:
         row["pred_comm_s"] = None
         row["comm_model"] = f"unavailable: {exc}"
     step = row.get("step_s")
+    row["tokens_per_s_per_gpu"] = None
     if row.get("status") == "ok" and step:
-        row["tokens_per_s_per_gpu"] = tokens / row["world"] / step
+        row["tokens_per_s_per_gpu"] = row["micro_batch"] * row["seq_len"] / sharing / step
         row["model_tflops_per_gpu"] = row["model_flops_per_gpu"] / step / 1e12
         from lightning_tsp.planning import get_hardware
 
@@ -367,7 +422,8 @@ def format_table(rows: list[dict]) -> str:
             if r.get("anchor_peak_dev") is not None:
                 anchor += f" ({r['anchor_peak_dev']:+.0%} / {r.get('anchor_step_dev', 0):+.0%})"
         cells.append([
-            r["strategy"], (r.get("layout") or "") + (f", g={r['shard_group_used']}" if r.get("shard_group_used")
+            r["strategy"] + (" compiled" if r.get("compiled") and r["strategy"] != "tsp" else ""),
+            (r.get("layout") or "") + (f", g={r['shard_group_used']}" if r.get("shard_group_used")
                                                       else ""), seq_label(r["seq_len"]), peak_s, fmt(r.get("step_s"), ".3f"),
             fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt(r.get("model_tflops_per_gpu"), ".0f"),
             "" if r.get("mfu_peak") is None else f"{r['mfu_peak']:.0%} / {r['mfu_gemm']:.0%}", comm,
@@ -384,6 +440,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def emit(rows: list[dict], args) -> None:
+    for r in rows:
+        missing = [k for k in ROW_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"a {r.get('strategy')} row lacks {missing}: every row carries ROW_KEYS")
     table = format_table(rows)
     print(table, flush=True)
     write_text(args.out, table)
@@ -466,6 +526,8 @@ def parse_sweep(specs: list[str], args) -> list[tuple]:
         name, _, grid = name.partition("=")
         if name not in STRATEGIES:
             raise SystemExit(f"--sweep {spec!r}: unknown strategy {name!r} (use {', '.join(STRATEGIES)})")
+        if name == "tsp" and args.compile:
+            raise SystemExit(f"--sweep {spec!r}: {TSP_COMPILE}")
         if name == "tp_x_sp":
             if grid:
                 tp, sp = (int(x) for x in grid.lower().split("x"))

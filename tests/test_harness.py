@@ -33,10 +33,10 @@ def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_every_strategy_yields_a_row(tmp_path):
     out = tmp_path / "res.md"
-    proc = _run(["--sweep", "tsp", "tp", "tp_sp", "sp", "fsdp_cp", "tp_x_sp=2x2", "--world", "2", "--in-process",
-                 "--out", str(out), *TINY])
+    proc = _run(["--sweep", "tsp", "tp", "tp_sp", "sp", "fsdp_cp", "fsdp", "tp_x_sp=2x2", "--world", "2",
+                 "--in-process", "--out", str(out), *TINY])
     rows = [json.loads(line) for line in (tmp_path / "res.jsonl").read_text().splitlines()]
-    assert [r["strategy"] for r in rows] == ["tsp", "tp", "tp_sp", "sp", "fsdp_cp", "tp_x_sp"]
+    assert [r["strategy"] for r in rows] == ["tsp", "tp", "tp_sp", "sp", "fsdp_cp", "fsdp", "tp_x_sp"]
     for r in rows:
         assert r["status"] == "ok", r
         assert r["step_s"] is not None and r["tokens_per_s_per_gpu"] > 0
@@ -44,6 +44,7 @@ def test_every_strategy_yields_a_row(tmp_path):
         assert "fake process group" in r["excluded"]
         assert r["pred_comm_s"] is not None and r["pred_comm_s"] > 0, r.get("comm_model")
         assert r["command"].startswith("python -m benchmarks.harness --strategy " + r["strategy"])
+        assert r["compiled"] is (r["strategy"] == "tsp" and r["fused_elementwise"] != "off")
     assert rows[-1]["world"] == 4 and rows[-1]["tp"] == 2 and rows[-1]["sp"] == 2
     table = out.read_text()
     assert table.count("\n| ") == 1 + len(rows)  # separator + one line per row (header is the first line)

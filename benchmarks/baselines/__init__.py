@@ -9,6 +9,7 @@ STRATEGY_MODULES = {
     "sp": "cp",
     "tp_x_sp": "tp_x_sp",
     "fsdp_cp": "fsdp_cp",
+    "fsdp": "fsdp_cp",
 }
 STRATEGIES = tuple(STRATEGY_MODULES)
 
@@ -16,5 +17,8 @@ STRATEGIES = tuple(STRATEGY_MODULES)
 def build(setup, full_state=None):
     import importlib
 
+    if setup.compile and setup.strategy == "tsp":
+        raise ValueError("compile=True with strategy 'tsp': TSP compiles its own pieces (lightning_tsp.kernels.fused: "
+                         "on unless LIGHTNING_TSP_FUSED=0); per-block compile is for the rivals only")
     mod = importlib.import_module(f"{__name__}.{STRATEGY_MODULES[setup.strategy]}")
     return mod.build(setup, full_state)

@@ -15,7 +15,10 @@ from torch import Tensor
 
 from lightning_tsp.zigzag import IGNORE_INDEX, shift_labels, zigzag_positions, zigzag_shard
 
-from .model import _cudnn_sdpa_usable
+
+# strategies whose compiled blocks are one graph each (fullgraph=True); the context-parallel ones break the graph at
+# the zigzag attention (an autograd.Function around the K/V all-gather and the lightning_tsp kernel)
+FULLGRAPH = ("tp", "tp_sp", "fsdp")
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Setup:
     fsdp_precision: str = "policy"  # fsdp_cp: FSDP2 MixedPrecisionPolicy(bf16, fp32) | autocast
     kv_bucket_heads: int | None = None  # tsp: KV heads gathered at once (head bucketing)
     shard_group: int | str = "auto"  # tsp: owners per broadcast-schedule step
+    compile: bool = False  # rivals: each transformer block under torch.compile (apply_compile)
+    compile_backend: str = "inductor"  # torch.compile backend (aot_eager: tests on CPU)
+    compile_scope: str = "checkpointed-block"  # what torch.compile wraps: see wrap_blocks
     seed: int = 0
 
 
@@ -88,14 +94,36 @@ def apply_checkpointing(model: nn.Module, mode: str) -> None:
         raise ValueError(f"checkpointing {mode!r}: use none or full")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    if torch.cuda.is_available():
-        # Probe cuDNN SDPA now: the probe runs a backward, and inside a checkpointed forward its saved tensors
-        # would differ from the recomputation's ("different number of tensors saved" at backward).
-        _cudnn_sdpa_usable(torch.cuda.current_device())
-
     for name, block in list(model.layers.named_children()):
         model.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                 preserve_rng_state=False)
+
+
+def wrap_blocks(model: nn.Module, setup: Setup) -> None:
+    """Activation checkpointing and per-block compile (after TP / CP, before FSDP), in the order
+    ``setup.compile_scope`` names: ``checkpointed-block`` (torchtitan's: ``torch.compile(checkpoint_wrapper(block))``,
+    the recomputation inside the compiled graph) or ``block`` (``checkpoint_wrapper(torch.compile(block))``, the
+    compiled forward re-run by the checkpoint)."""
+    if setup.compile_scope == "block":
+        apply_compile(model, setup)
+        apply_checkpointing(model, setup.checkpointing)
+    elif setup.compile_scope == "checkpointed-block":
+        apply_checkpointing(model, setup.checkpointing)
+        apply_compile(model, setup)
+    else:
+        raise ValueError(f"compile_scope {setup.compile_scope!r}: use checkpointed-block or block")
+
+
+def apply_compile(model: nn.Module, setup: Setup) -> None:
+    """torchtitan's per-block compile (``--compile``): each transformer block is replaced in ``model.layers`` by
+    ``torch.compile(block)``: default mode, ``fullgraph=True`` (one graph per block, torchtitan's default) except for
+    the context-parallel strategies, whose zigzag attention (K/V all-gather + lightning_tsp kernel) stays eager
+    between two graphs."""
+    if not setup.compile:
+        return
+    fullgraph = setup.strategy in FULLGRAPH
+    for name, block in list(model.layers.named_children()):
+        model.layers[name] = torch.compile(block, backend=setup.compile_backend, fullgraph=fullgraph)
 
 
 def make_optimizer(params, setup: Setup) -> torch.optim.Optimizer:

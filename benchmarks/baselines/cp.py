@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .common import (Runner, all_reduce_grads, apply_checkpointing, autocast_ctx, cross_entropy_sum, make_batch,
-                     make_optimizer, n_valid, zigzag_inputs)
+from .common import (Runner, all_reduce_grads, autocast_ctx, cross_entropy_sum, make_batch, make_optimizer, n_valid,
+                     wrap_blocks, zigzag_inputs)
 from .model import enable_cp, materialize, new_model
 
 
@@ -21,8 +21,8 @@ def build(setup, full_state: dict | None = None):
         raise ValueError(f"sp: sequence length {setup.seq_len} must be a multiple of 2*D={2 * d}")
     group = dist.group.WORLD
     model = new_model(setup, full_state)
-    enable_cp(model, group, setup.attention_kernel)
-    apply_checkpointing(model, setup.checkpointing)
+    enable_cp(model, group, setup)
+    wrap_blocks(model, setup)
     materialize(model, setup, full_state)
     opt = make_optimizer(model.parameters(), setup)
     ids, targets = make_batch(setup)

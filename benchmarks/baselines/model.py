@@ -40,18 +40,28 @@ def _cudnn_sdpa_usable(device_index: int) -> bool:
         return False
 
 
+def resolve_sdpa_backend(backend: str, device) -> str:
+    """``auto`` -> ``cudnn`` where cuDNN SDPA runs, else ``default`` (PyTorch's own choice, always on CPU). Resolved
+    when the model is built: the probe runs a backward, which may run neither inside a checkpointed forward (its
+    saved tensors would differ from the recomputation's) nor inside a compiled block."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "default"
+    if backend != "auto":
+        return backend
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "cudnn" if _cudnn_sdpa_usable(index) else "default"
+
+
 def sdpa_context(x: Tensor, backend: str = "auto"):
-    """The SDPA backend for square causal attention: cuDNN on CUDA when it works (``backend='auto'|'cudnn'``),
-    flash (``'flash'``), or PyTorch's own choice (``'default'``, and always on CPU)."""
-    if x.device.type != "cuda" or backend == "default":
+    """The SDPA backend for square causal attention: cuDNN (``'cudnn'``; ``'auto'``: where it runs), flash
+    (``'flash'``), or PyTorch's own choice (``'default'``, and always on CPU)."""
+    backend = resolve_sdpa_backend(backend, x.device)
+    if backend == "default":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if backend == "flash":
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-    if backend == "cudnn" or _cudnn_sdpa_usable(x.device.index or 0):
-        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
-    return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.CUDNN_ATTENTION])
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -153,6 +163,28 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(to_compute_dtype(self.ffn_norm(h)))
 
 
+class _Settled(torch.autograd.Function):
+    """An AsyncCollectiveTensor waited for, as a plain tensor on the autograd graph (its ``wait()`` alone would drop
+    the gradient); the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.wait()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g
+
+
+def settled(x: Tensor) -> Tensor:
+    """A TP embedding's output is an AsyncCollectiveTensor (DTensor redistributes it asynchronously): waited here,
+    where eager code would wait at its first use anyway, so that a compiled block receives a plain tensor (torch
+    2.13 hands such an input's gradient to the embedding's redistribute as a plain tensor, which then fails)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return _Settled.apply(x) if isinstance(x, AsyncCollectiveTensor) else x
+
+
 class Transformer(nn.Module):
     """``cfg``: a lightning_tsp ModelConfig (hidden_size, n_layers, n_heads, n_kv_heads, intermediate_size,
     vocab_size, rope_theta, norm_eps, init_std)."""
@@ -168,7 +200,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens [B, L_in]; positions [L_att]: the position ids of the tokens attention sees (L_att = L_in, or
         the sequence gathered inside a TP-SP group)."""
-        h = self.tok_embeddings(tokens)
+        h = settled(self.tok_embeddings(tokens))
         dev = positions.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.norm.weight.dtype
         if isinstance(dtype, torch.dtype) and dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -275,8 +307,10 @@ class _ZigzagAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+@torch.compiler.disable
 def zigzag_cp_attention(q: Tensor, k: Tensor, v: Tensor, group, kernel=None) -> Tensor:
-    """q [B, H, 2c, d], k/v [B, Hkv, 2c, d] of this rank's zigzag tokens -> o [B, H, 2c, d]."""
+    """q [B, H, 2c, d], k/v [B, Hkv, 2c, d] of this rank's zigzag tokens -> o [B, H, 2c, d]. Eager inside a
+    compiled block (a graph break: the K/V all-gather and the lightning_tsp kernel run as they do uncompiled)."""
     from lightning_tsp.kernels.attention import select_attention_kernel
 
     if kernel is None:
@@ -287,15 +321,23 @@ def zigzag_cp_attention(q: Tensor, k: Tensor, v: Tensor, group, kernel=None) -> 
     return _ZigzagAttention.apply(q, k_full, v_full, rank, size, kernel)
 
 
-def enable_cp(model, group, kernel_name: str = "auto") -> None:
-    """Switch every attention layer of ``model`` to zigzag context parallelism over ``group``."""
+def enable_cp(model, group, setup) -> None:
+    """Switch every attention layer of ``model`` (before checkpointing and compile wrap its blocks) to zigzag
+    context parallelism over ``group``, with the kernel ``setup.attention_kernel`` resolves to for the compute
+    dtype (chosen here, not inside a compiled block)."""
+    kernel = cp_kernel(setup)
+    for block in model.layers.values():
+        block.attention.cp_group = group
+        block.attention.cp_kernel = kernel
+
+
+def cp_kernel(setup):
+    """The lightning_tsp attention kernel of the zigzag calls: ``setup.attention_kernel`` on ``setup.device`` for
+    bf16 (bf16-mixed: autocast or FSDP2's bf16 parameters) or fp32 inputs."""
     from lightning_tsp.kernels.attention import select_attention_kernel
 
-    for block in model.layers.values():
-        attn = getattr(block, "attention", None) or block._checkpoint_wrapped_module.attention
-        attn.cp_group = group
-        if kernel_name != "auto":
-            attn.cp_kernel = select_attention_kernel(next(model.parameters()).device, kernel_name)
+    dtype = torch.bfloat16 if setup.autocast else torch.float32
+    return select_attention_kernel(setup.device, setup.attention_kernel, dtype)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -319,9 +361,10 @@ def materialize(model, setup, full_state: dict | None) -> None:
 
 def new_model(setup, full_state: dict | None) -> Transformer:
     """On meta (benchmark) or loaded from ``full_state`` on the device (tests: parallelize then slices it)."""
+    backend = resolve_sdpa_backend(setup.sdpa_backend, setup.device)
     if full_state is None:
         with torch.device("meta"):
-            return Transformer(setup.cfg, setup.sdpa_backend, setup.norm)
-    model = Transformer(setup.cfg, setup.sdpa_backend, setup.norm).to(setup.device)
+            return Transformer(setup.cfg, backend, setup.norm)
+    model = Transformer(setup.cfg, backend, setup.norm).to(setup.device)
     model.load_state_dict(full_state)
     return model

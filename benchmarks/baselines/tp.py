@@ -21,8 +21,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .common import (Runner, Setup, apply_checkpointing, autocast_ctx, cross_entropy_sum, make_batch,
-                     make_optimizer, n_valid, scalar)
+from .common import (Runner, Setup, autocast_ctx, cross_entropy_sum, make_batch, make_optimizer, n_valid, scalar,
+                     wrap_blocks)
 from .model import Transformer, check_tp_shape, materialize, new_model
 
 
@@ -80,9 +80,9 @@ def build(setup: Setup, full_state: dict | None = None) -> Runner:
 
 
 def tp_runner(model: Transformer, setup: Setup, full_state: dict | None, layout: str) -> Runner:
-    """A TP-parallelised model's training step: checkpointing, materialised weights, optimizer, batch, vocab-parallel
-    loss (also used by benchmarks.moe's TP-SP + expert-parallel rival)."""
-    apply_checkpointing(model, setup.checkpointing)
+    """A TP-parallelised model's training step: checkpointing and compile, materialised weights, optimizer, batch,
+    vocab-parallel loss (also used by benchmarks.moe's TP-SP + expert-parallel rival)."""
+    wrap_blocks(model, setup)
     materialize(model, setup, full_state)
     opt = make_optimizer(model.parameters(), setup)
     ids, targets = make_batch(setup)

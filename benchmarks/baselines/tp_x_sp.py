@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .common import (Runner, Setup, all_reduce_grads, apply_checkpointing, autocast_ctx, cross_entropy_sum,
-                     make_batch, make_optimizer, n_valid, scalar, zigzag_inputs)
+from .common import (Runner, Setup, all_reduce_grads, autocast_ctx, cross_entropy_sum, make_batch, make_optimizer,
+                     n_valid, scalar, wrap_blocks, zigzag_inputs)
 from .model import check_tp_shape, enable_cp, materialize, new_model
 from .tp import apply_tp
 
@@ -32,8 +32,8 @@ def build(setup: Setup, full_state: dict | None = None) -> Runner:
     sp_rank = mesh["sp"].get_local_rank()
     model = new_model(setup, full_state)
     apply_tp(model, mesh["tp"], sequence_parallel=True)
-    enable_cp(model, sp_group, setup.attention_kernel)
-    apply_checkpointing(model, setup.checkpointing)
+    enable_cp(model, sp_group, setup)
+    wrap_blocks(model, setup)
     materialize(model, setup, full_state)
     opt = make_optimizer(model.parameters(), setup)
     ids, targets = make_batch(setup)
