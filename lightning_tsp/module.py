@@ -69,6 +69,9 @@ class TSPLanguageModel(LightningModule):
             a head group's). ``1`` keeps the gathered K/V smallest at very long contexts.
         shard_group: owners whose attention shards one broadcast-schedule step runs at once (a divisor of
             ``tsp_size``; ``auto``: all of them at short sequences, one at long ones; see docs/design.md).
+        cuda_graphs: capture each checkpointed layer's forward and backward once as CUDA graphs and replay them
+            (``full`` / ``keep-attention``, dense layers; the step stops being host-bound at short sequences; see
+            docs/guide.md); ``"auto"``: only where the eager step is host-bound (at most 4096 local tokens).
         init_on_meta: build the unsharded model on the meta device (no memory); the strategy then initialises
             only this rank's shards, giving the same weights as a full initialisation whatever ``tsp_size``.
         lr: peak learning rate of AdamW.
@@ -90,6 +93,7 @@ class TSPLanguageModel(LightningModule):
         token_chunk: int = 4096,
         kv_bucket_heads: Optional[int] = None,
         shard_group: Union[int, str] = "auto",
+        cuda_graphs: Union[bool, str] = False,
         init_on_meta: bool = True,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
@@ -135,6 +139,7 @@ class TSPLanguageModel(LightningModule):
             token_chunk=hp.token_chunk,
             kv_bucket_heads=hp.get("kv_bucket_heads"),
             shard_group=hp.get("shard_group", "auto"),
+            cuda_graphs=hp.get("cuda_graphs", False),
             device="meta" if hp.init_on_meta else None,
         )
 

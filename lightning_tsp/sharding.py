@@ -112,6 +112,7 @@ def shard_module(full: TSPLlama, tsp: TSPGroup, device: torch.device) -> TSPLlam
         token_chunk=full.token_chunk,
         kv_bucket_heads=full.kv_bucket_heads,
         shard_group=full.shard_group,
+        cuda_graphs=full.cuda_graphs,
         device="meta",
         dtype=dtype,
     )

@@ -67,12 +67,16 @@ def test_cuda_graphs_settings_refused() -> None:
     cfg = _cfg(1)
     with pytest.raises(TSPConfigError, match="activation_checkpointing='none'"):
         TSPLlama(cfg, cuda_graphs=True)
-    with pytest.raises(TSPConfigError, match="give True or False"):
+    with pytest.raises(TSPConfigError, match="give True, False or 'auto'"):
         TSPLlama(cfg, activation_checkpointing="full", cuda_graphs="yes")
     moe = ModelConfig(vocab_size=240, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=96,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     with pytest.raises(TSPConfigError, match="mixture-of-experts"):
         TSPLlama(moe, activation_checkpointing="full", cuda_graphs=True)
+    for mode in ("none", "offload"):  # "auto" graphs where it can: never refused, eager here (CPU)
+        auto = TSPLlama(cfg, activation_checkpointing=mode, cuda_graphs="auto")
+        auto(*auto.shard_batch(*batch(cfg, 1, S))).backward()
+        assert auto._layer_graphs is None
     model = TSPLlama(cfg, activation_checkpointing="keep-attention", cuda_graphs=True)
     ids = torch.randint(0, cfg.vocab_size, (1, S))
     packed = torch.cat([torch.arange(S // 2), torch.arange(S // 2)]).unsqueeze(0)  # two documents

@@ -259,6 +259,7 @@ class TSPCausalLM(TSPLlama):
         attention_kernel: str = "auto",
         activation_checkpointing: CheckpointingMode = "none",
         token_chunk: int = 4096,
+        cuda_graphs: bool | str = False,
     ) -> "TSPCausalLM":
         """Build from a LOCAL Hugging Face directory (config.json + *.safetensors), reading only this rank's slices.
 
@@ -274,7 +275,7 @@ class TSPCausalLM(TSPLlama):
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         cfg = model_config_from_hf(hf_config, pretrained_path=path)
         model = cls(cfg, tsp, attention_kernel=attention_kernel, activation_checkpointing=activation_checkpointing,
-                    token_chunk=token_chunk, device="meta", dtype=dtype)
+                    token_chunk=token_chunk, cuda_graphs=cuda_graphs, device="meta", dtype=dtype)
         model.to_empty(device=device if device is not None else "cpu")
         model.init_weights()
         return model

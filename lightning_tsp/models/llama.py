@@ -23,7 +23,7 @@ from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMH
 from lightning_tsp.layers.attention import Documents
 from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_loss
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
-from lightning_tsp.graphs import GRAPHED_CHECKPOINTING, LayerGraphs
+from lightning_tsp.graphs import GRAPHED_CHECKPOINTING, GRAPHED_MAX_TOKENS, LayerGraphs
 from lightning_tsp.offload import StashChain, stashed_checkpoint
 from lightning_tsp.planning.collectives import ATTENTION_REPLAYED
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
@@ -216,7 +216,7 @@ class TSPLlama(nn.Module):
         token_chunk: int = 4096,
         kv_bucket_heads: int | None = None,
         shard_group: int | str = "auto",
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = False,
         device=None,
         dtype=None,
     ):
@@ -365,7 +365,7 @@ class TSPLlama(nn.Module):
             documents = Documents(document_starts(position_ids, self.tsp.size, self.tsp.rank), self.tsp)
         router_stats = None
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        graphs = self._graphs_for(x, cos, documents) if self.cuda_graphs and mode != "none" else None
+        graphs = self._graphs_for(x, cos, documents) if self._graphed(x, mode, documents) else None
         if graphs is not None:
             cos, sin = graphs.begin_step(cos, sin)
         # keep-attention / offload: the layer input and the attention outputs, on the GPU / in pinned host memory
@@ -382,6 +382,15 @@ class TSPLlama(nn.Module):
             if stats is not None:
                 router_stats = stats if router_stats is None else router_stats + stats
         return self.model.norm(x), router_stats
+
+    def _graphed(self, x: Tensor, mode: str, documents: Documents | None) -> bool:
+        """Whether this forward runs the layers through CUDA graphs (``cuda_graphs``; ``"auto"``: on CUDA, in a
+        graphed checkpointing mode, dense layers, no packed documents, at most ``GRAPHED_MAX_TOKENS`` local tokens,
+        where the eager step is host-bound)."""
+        if self.cuda_graphs == "auto":
+            return (x.is_cuda and mode in GRAPHED_CHECKPOINTING and not self.cfg.n_moe_layers and documents is None
+                    and x.shape[0] * x.shape[1] <= GRAPHED_MAX_TOKENS)
+        return bool(self.cuda_graphs) and mode != "none"
 
     def _graphs_for(self, x: Tensor, cos: Tensor, documents: Documents | None) -> LayerGraphs:
         """The layers' CUDA graphs for this step's signature (new ones, released the old, when it changed)."""
@@ -458,11 +467,11 @@ class TSPLlama(nn.Module):
         return loss, aux
 
 
-def check_cuda_graphs(cuda_graphs: bool, activation_checkpointing: str, cfg: ModelConfig) -> None:
+def check_cuda_graphs(cuda_graphs: bool | str, activation_checkpointing: str, cfg: ModelConfig) -> None:
     """``cuda_graphs`` can run with this checkpointing mode and model, or a TSPConfigError saying what to change."""
-    if not isinstance(cuda_graphs, bool):
-        raise TSPConfigError(f"cuda_graphs={cuda_graphs!r}: give True or False")
-    if not cuda_graphs:
+    if not isinstance(cuda_graphs, bool) and cuda_graphs != "auto":
+        raise TSPConfigError(f"cuda_graphs={cuda_graphs!r}: give True, False or 'auto'")
+    if cuda_graphs is not True:  # "auto" graphs only where it can
         return
     if activation_checkpointing not in GRAPHED_CHECKPOINTING:
         raise TSPConfigError(f"cuda_graphs=True with activation_checkpointing={activation_checkpointing!r}: graphed "
