@@ -12,6 +12,9 @@ One configuration (in this process):
 A sweep (each configuration in a fresh subprocess; an OOM becomes a row saying OOM):
     python -m benchmarks.harness --sweep tp:16384,32768 tp_sp:16384 tp_x_sp=2x4:131072 --model paper-7b \
         --world 8 --out results.md
+The rivals compiled (each transformer block under torch.compile), rows appended to a JSON lines file:
+    python -m benchmarks.harness --sweep tp_sp:8K,16K fsdp:8K --compile --model paper-7b --world 8 --warmup 2 \
+        --jsonl docs/results/compiled-rivals.jsonl
 The longest sequence that fits a memory budget (doubling + bisection; optionally on fewer layers, extrapolated
 linearly in layers):
     python -m benchmarks.harness --max-context --strategy tsp --model paper-7b --world 8 --budget-gb 140 \
@@ -54,12 +57,18 @@ ANCHORS = {
 # every option that defines one configuration (forwarded to subprocesses and printed in each row's command)
 CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "world", "tp", "sp", "rank",
                "micro_batch", "precision", "checkpointing", "optimizer", "rmsnorm", "sdpa_backend", "attention_kernel",
-               "fsdp_precision", "kv_bucket_heads", "shard_group", "compile", "compile_backend", "compile_scope", "steps",
+               "fsdp_precision", "kv_bucket_heads", "shard_group", "cuda_graphs", "compile", "compile_backend", "compile_scope", "profile", "steps",
                "warmup", "device")
 
 
 def _shard_group(v: str) -> int | str:
     return v if v == "auto" else int(v)
+
+
+def _cuda_graphs(v: str) -> bool | str:
+    if v.lower() in ("auto", "true", "false"):
+        return {"true": True, "false": False}.get(v.lower(), "auto")
+    raise argparse.ArgumentTypeError(f"--cuda-graphs {v!r}: give false, true or auto")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="lightning_tsp kernel for the zigzag calls of tsp / sp / tp_x_sp / fsdp_cp")
     ap.add_argument("--fsdp-precision", choices=("policy", "autocast"), default="policy",
                     help="fsdp_cp: FSDP2 MixedPrecisionPolicy(bf16, fp32) as torchtitan, or bf16 autocast")
+    ap.add_argument("--cuda-graphs", type=_cuda_graphs, default=False,
+                    help="tsp: CUDA-graphed layers (TSPLlama cuda_graphs: false | true | auto); graphs need two "
+                         "untimed steps (warm-up, capture): --warmup is raised to 2")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more step: gpu_busy_s (the union of kernel time) and kernels in the row")
     ap.add_argument("--compile", action="store_true",
                     help="rivals: each transformer block under torch.compile (default mode; fullgraph except the "
                          "context-parallel ones' zigzag attention), torchtitan's way. Not for tsp: TSP compiles its "
@@ -130,6 +144,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.compile and args.strategy == "tsp" and not args.sweep:
         ap.error(TSP_COMPILE)
+    if args.cuda_graphs is not False and args.strategy != "tsp" and not args.sweep:
+        ap.error("--cuda-graphs is TSP's (TSPLlama(cuda_graphs=...)); the rivals compile with --compile")
+    if args.cuda_graphs is not False:
+        args.warmup = max(args.warmup, 2)
     if args.strategy == "tp_x_sp":
         _fill_2d(args)
     return args
@@ -184,6 +202,10 @@ def single_command(args, strategy=None, seq=None, layers=None, tp=None, sp=None,
         if k in ("compile_backend", "compile_scope") and not vals["compile"]:
             continue
         flag = f"--{k.replace('_', '-')}"
+        if k == "cuda_graphs":  # TSP's option: a value (true / auto), and only on tsp rows of a sweep
+            if vals["strategy"] == "tsp":
+                cmd += [flag, str(v).lower()]
+            continue
         cmd += [flag] if v is True else [flag, str(v)]
     return cmd + list(extra)
 
@@ -200,6 +222,7 @@ def make_setup(args, cfg, device: str):
                  autocast=args.precision == "bf16-mixed", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
                  attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
                  norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads, shard_group=args.shard_group,
+                 cuda_graphs=args.cuda_graphs if args.strategy == "tsp" else False,
                  compile=args.compile, compile_backend=args.compile_backend, compile_scope=args.compile_scope)
 
 
@@ -246,6 +269,10 @@ def measure(args) -> dict:
             dt = time.perf_counter() - t0
             if i >= args.warmup:
                 times.append(dt)
+        if args.profile:
+            row.update(profile_step(runner.step, cuda))
+        if args.strategy == "tsp":  # whether the layers ran as CUDA graphs (cuda_graphs="auto" decides per step)
+            row["graphed"] = getattr(runner.model, "_layer_graphs", None) is not None
         row["status"] = "ok"
         row["loss"] = float(loss) if torch.isfinite(loss).all() else None  # fake collectives: not meaningful
     except Exception as exc:  # noqa: BLE001 - reported in the row
@@ -263,6 +290,29 @@ def measure(args) -> dict:
     row["step_s"] = statistics.median(times) if times else None
     dist.destroy_process_group()
     return finalize(row)
+
+
+def profile_step(step, cuda: bool) -> dict:
+    """One more step under torch.profiler: GPU busy seconds (the union of the kernels' intervals: time the GPU did
+    not wait for the host) and the number of kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not cuda:
+        return {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
+                   and not e.name.startswith("Optimizer."))  # (a range annotation, not a kernel)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"gpu_busy_s": busy / 1e6, "kernels": len(spans)}
 
 
 def attention_used(setup) -> str:
@@ -290,7 +340,8 @@ def base_row(args, cfg) -> dict:
         "vocab": cfg.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "world": args.world,
         "tp": args.tp, "sp": args.sp, "rank": args.rank, "precision": args.precision,
         "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads,
-        "shard_group": args.shard_group, "optimizer": args.optimizer, "warmup": args.warmup,
+        "shard_group": args.shard_group, "cuda_graphs": args.cuda_graphs if tsp else None,
+        "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
         "excluded": EXCLUDED, "status": "?", "step_s": None, "peak_gb": None, "tokens_per_s_per_gpu": None,
         "gpu_busy_s": None,  # not profiled here: benchmarks.profile_step measures it
