@@ -100,8 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "4 B/param to the optimizer-step peak; fused does not)")
     ap.add_argument("--rmsnorm", choices=("torch", "manual"), default="torch",
                     help="baselines' RMSNorm: nn.RMSNorm or elementary ops (if the fused kernel lacks DTensor rules)")
-    ap.add_argument("--sdpa-backend", choices=("auto", "cudnn", "flash", "default"), default="auto",
-                    help="square causal SDPA of tp / tp_sp (auto: cuDNN when it runs)")
+    ap.add_argument("--sdpa-backend", choices=("auto", "cudnn", "flash", "math", "default"), default="auto",
+                    help="square causal SDPA of tp / tp_sp / fsdp (auto: cuDNN when it runs)")
     ap.add_argument("--attention-kernel", default="auto",
                     help="lightning_tsp kernel for the zigzag calls of tsp / sp / tp_x_sp / fsdp_cp")
     ap.add_argument("--fsdp-precision", choices=("policy", "autocast"), default="policy",

@@ -26,9 +26,9 @@ from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--layers", "2", "--seq-len", "64", "--steps", "1", "--warmup", "0", "--device", "cpu"]
-# torch 2.13 cannot compile a checkpointed TP block whose attention is SDPA (AOT autograd finds a DeviceMesh among
-# the tensors saved for backward); the TP rivals are compiled inside the checkpoint wrapper here
-SCOPES = {"tp": "block", "tp_sp": "block"}
+# (strategy, compile scope): torchtitan's order for every rival, and TP-SP also with the checkpoint outside
+CASES = (("tp", "checkpointed-block"), ("tp_sp", "checkpointed-block"), ("sp", "checkpointed-block"),
+         ("fsdp_cp", "checkpointed-block"), ("fsdp", "checkpointed-block"), ("tp_sp", "block"))
 
 
 def _grads(model) -> dict:
@@ -55,7 +55,7 @@ def _reference(ref, ids, targets):
     return loss.detach(), {k: p.grad.clone() for k, p in ref.named_parameters()}
 
 
-def _compiled_equals_eager(rank: int, world: int, strategies, backend: str = "aot_eager") -> None:
+def _compiled_equals_eager(rank: int, world: int, cases, backend: str = "aot_eager") -> None:
     from benchmarks.baselines import build
     from benchmarks.baselines.common import Setup, make_batch
     from benchmarks.baselines.model import Transformer
@@ -67,40 +67,43 @@ def _compiled_equals_eager(rank: int, world: int, strategies, backend: str = "ao
     ref = Transformer(cfg)
     ref.init_weights(seed=3)
     state = {k: v.clone() for k, v in ref.state_dict().items()}
-    for strategy in strategies:
+    for strategy, scope in cases:
         grid = dict(tp=2, sp=world // 2) if strategy == "tp_x_sp" else {}
+        # SDPA's math kernel: torch 2.13 cannot compile a checkpointed TP block calling SDPA's CPU flash kernel
+        # (AOT autograd finds a DeviceMesh among the tensors saved for backward)
         eager = Setup(cfg, strategy, world, rank, seq, device="cpu", autocast=False, checkpointing="full",
-                      optimizer="forloop", **grid)
-        compiled = replace(eager, compile=True, compile_backend=backend,
-                           compile_scope=SCOPES.get(strategy, "checkpointed-block"))
+                      optimizer="forloop", sdpa_backend="math", **grid)
+        compiled = replace(eager, compile=True, compile_backend=backend, compile_scope=scope)
         runners = [build(s, full_state=state) for s in (eager, compiled)]
         assert not isinstance(runners[0].model.layers["0"], torch._dynamo.eval_frame.OptimizedModule)
         assert any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in runners[1].model.modules())
         losses = [r.forward_backward() for r in runners]
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, msg=f"{strategy} compiled loss")
+        label = f"{strategy} ({scope})"
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, msg=f"{label} compiled loss")
         g_eager, g_compiled = (_grads(r.model) for r in runners)
         assert g_compiled.keys() == g_eager.keys()
         for key, g in g_eager.items():
-            torch.testing.assert_close(g_compiled[key], g, rtol=1e-5, atol=1e-6, msg=f"{strategy} compiled grad {key}")
+            torch.testing.assert_close(g_compiled[key], g, rtol=1e-5, atol=1e-6, msg=f"{label} compiled grad {key}")
         # and both are the unsharded model's (fsdp: data parallel, on the global batch of `world` sequences)
-        ref_loss, ref_grads = _reference(ref, *make_batch(replace(eager, micro_batch=world if strategy == "fsdp"
-                                                                   else 1)))
-        torch.testing.assert_close(losses[1], ref_loss, rtol=1e-5, atol=1e-5, msg=f"{strategy} loss")
+        batch = make_batch(replace(eager, micro_batch=world if strategy == "fsdp" else 1))
+        ref_loss, ref_grads = _reference(ref, *batch)
+        torch.testing.assert_close(losses[1], ref_loss, rtol=1e-5, atol=1e-5, msg=f"{label} loss")
         for key, g in ref_grads.items():
-            torch.testing.assert_close(g_compiled[key], g, rtol=1e-4, atol=1e-5, msg=f"{strategy} grad {key}")
+            torch.testing.assert_close(g_compiled[key], g, rtol=1e-4, atol=1e-5, msg=f"{label} grad {key}")
         runners[1].optimizer.step()
 
 
 @pytest.mark.timeout(300)
 def test_compiled_rivals_match_eager_rivals_on_gloo():
-    """2 processes: tp, tp_sp, sp, fsdp_cp and fsdp compiled == uncompiled == the unsharded model."""
-    run_distributed(_compiled_equals_eager, 2, ("tp", "tp_sp", "sp", "fsdp_cp", "fsdp"), timeout=290)
+    """2 processes: tp, tp_sp, sp, fsdp_cp and fsdp compiled (torchtitan's order; tp_sp also with the checkpoint
+    outside) == uncompiled == the unsharded model."""
+    run_distributed(_compiled_equals_eager, 2, CASES, timeout=290)
 
 
 @pytest.mark.timeout(300)
 def test_compiled_tp_x_sp_matches_eager_on_gloo():
     """4 processes, T x S = 2 x 2, compiled the torchtitan way (the checkpointed block)."""
-    run_distributed(_compiled_equals_eager, 4, ("tp_x_sp",), timeout=290)
+    run_distributed(_compiled_equals_eager, 4, (("tp_x_sp", "checkpointed-block"),), timeout=290)
 
 
 def _harness(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -145,7 +148,8 @@ def test_compile_refused_for_tsp():
     from lightning_tsp.models.llama import get_config
 
     proc = _harness(["--strategy", "tsp", "--compile", *TINY])
-    assert proc.returncode == 2 and "TSP compiles its own pieces" in proc.stderr and "LIGHTNING_TSP_FUSED" in proc.stderr
+    assert proc.returncode == 2
+    assert "TSP compiles its own pieces" in proc.stderr and "LIGHTNING_TSP_FUSED" in proc.stderr
     with pytest.raises(SystemExit, match="TSP compiles its own pieces"):
         parse_sweep(["tp_sp:64", "tsp:64"], parse_args(["--sweep", "tp_sp:64", "tsp:64", "--compile"]))
     # no process group exists here: the refusal comes before anything is built

@@ -36,7 +36,7 @@ class Setup:
     autocast: bool = True  # bf16 autocast over fp32 weights (bf16-mixed)
     optimizer: str = "foreach"  # foreach (torch's CUDA default) | fused | forloop
     norm: str = "torch"  # RMSNorm: torch (nn.RMSNorm) | manual
-    sdpa_backend: str = "auto"  # square causal SDPA (TP, TP-SP): auto | cudnn | flash | default
+    sdpa_backend: str = "auto"  # square causal SDPA (TP, TP-SP, FSDP): auto | cudnn | flash | math | default
     attention_kernel: str = "auto"  # zigzag calls (SP, TPxSP, FSDP+CP, TSP): lightning_tsp kernel name
     fsdp_precision: str = "policy"  # fsdp_cp: FSDP2 MixedPrecisionPolicy(bf16, fp32) | autocast
     kv_bucket_heads: int | None = None  # tsp: KV heads gathered at once (head bucketing)

@@ -41,12 +41,12 @@ def _cudnn_sdpa_usable(device_index: int) -> bool:
 
 
 def resolve_sdpa_backend(backend: str, device) -> str:
-    """``auto`` -> ``cudnn`` where cuDNN SDPA runs, else ``default`` (PyTorch's own choice, always on CPU). Resolved
-    when the model is built: the probe runs a backward, which may run neither inside a checkpointed forward (its
-    saved tensors would differ from the recomputation's) nor inside a compiled block."""
+    """``auto`` -> ``cudnn`` where cuDNN SDPA runs, else ``default`` (PyTorch's own choice, and on CPU everything but
+    ``math``). Resolved when the model is built: the probe runs a backward, which may run neither inside a
+    checkpointed forward (its saved tensors would differ from the recomputation's) nor inside a compiled block."""
     device = torch.device(device)
     if device.type != "cuda":
-        return "default"
+        return "math" if backend == "math" else "default"
     if backend != "auto":
         return backend
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -55,13 +55,14 @@ def resolve_sdpa_backend(backend: str, device) -> str:
 
 def sdpa_context(x: Tensor, backend: str = "auto"):
     """The SDPA backend for square causal attention: cuDNN (``'cudnn'``; ``'auto'``: where it runs), flash
-    (``'flash'``), or PyTorch's own choice (``'default'``, and always on CPU)."""
+    (``'flash'``), the reference kernel (``'math'``, also on CPU) or PyTorch's own choice (``'default'``)."""
     backend = resolve_sdpa_backend(backend, x.device)
     if backend == "default":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.CUDNN_ATTENTION])
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    return sdpa_kernel([chosen[backend]])
 
 
 def _rotate_half(x: Tensor) -> Tensor:
