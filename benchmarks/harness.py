@@ -344,7 +344,7 @@ def base_row(args, cfg) -> dict:
         "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
         "excluded": EXCLUDED, "status": "?", "step_s": None, "peak_gb": None, "tokens_per_s_per_gpu": None,
-        "gpu_busy_s": None,  # not profiled here: benchmarks.profile_step measures it
+        "gpu_busy_s": None,  # measured with --profile (profile_step)
         # as requested; measure() replaces it with the kernel it resolves to
         "attention_kernel": f"sdpa-{args.sdpa_backend}" if args.strategy in SQUARE_ATTENTION else args.attention_kernel,
         # the elementwise pieces compiled on CUDA (lightning_tsp.kernels.fused) and from which call size
