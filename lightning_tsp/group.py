@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+import lightning_tsp.teardown  # noqa: F401  (imports torch.distributed.nn.functional before any group exists)
+
 
 @dataclass(frozen=True)
 class TSPGroup:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
+from lightning_tsp.teardown import destroy_process_groups_at_exit
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -186,6 +187,7 @@ class TSPMeshMixin:
                 f"devices={self.num_processes}) means {topology.world_size}: check the launcher settings"
             )
         self._device_mesh = build_mesh(topology, self.root_device.type)
+        destroy_process_groups_at_exit(self._device_mesh)  # the groups live as long as the model; see teardown
         self._tsp_group = tsp_group(self._device_mesh)
         self._dp_group = dp_group(self._device_mesh)
         return topology

@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import tempfile
 import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_tsp.teardown import destroy_process_groups
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo and TCPStore threads still running (Linux; empty elsewhere)."""
+    task = "/proc/self/task"
+    if not os.path.isdir(task):
+        return []
+    names = []
+    for tid in os.listdir(task):
+        try:
+            with open(os.path.join(task, tid, "comm")) as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)
+
 
 def exit_after_success() -> None:
-    """End a worker whose work is done and checked without the interpreter's teardown.
-
-    At C++ static destruction, gloo's background threads can abort a process that has already passed
-    ("terminate called without an active exception", SIGABRT); the parent would report a crash. Only the success
-    path calls this: a failing worker raises before it, and spawn reports the exception.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """Tear down a worker whose work is done and checked, and let the interpreter exit normally (its exit status is
+    what spawn checks: an abort at exit fails the test). Destroys the process groups still there and releases what
+    the registered meshes hold (see :mod:`lightning_tsp.teardown`); call it after the function that held the
+    models has returned."""
+    destroy_process_groups()
 
 
 def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
@@ -36,9 +48,13 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
     )
     try:
         fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: a peer may never reach it; spawn reports the exception
+        raise
     exit_after_success()
+    # nothing may keep a group (and its gloo threads) alive into the interpreter's finalisation
+    left = gloo_threads()
+    assert not left, f"process-group threads outlive the groups {left}: something still references a group"
 
 
 def spawn_with_timeout(entry, entry_args: tuple, nprocs: int, timeout: float, what: str) -> None:

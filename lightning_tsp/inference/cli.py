@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lightning_tsp.checks import TSPConfigError
 from lightning_tsp.group import TSPGroup
+from lightning_tsp.teardown import destroy_process_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -102,8 +103,8 @@ def _tokenizer(arg: str, source, vocab_size: int):
     return _Bytes() if vocab_size >= 256 else None
 
 
-def _setup_group(device_arg: str):
-    """(tsp, device, we_initialised): WORLD when a process group exists or torchrun's env says so; else D = 1."""
+def _setup_group(device_arg: str) -> tuple[torch.device, bool]:
+    """(device, we_initialised): starts the default group when torchrun's env says so (WORLD_SIZE > 1)."""
     owns = False
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         use_cuda = torch.cuda.is_available() and device_arg != "cpu"
@@ -118,61 +119,69 @@ def _setup_group(device_arg: str):
         device = torch.device(device_arg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tsp = TSPGroup.from_process_group(dist.group.WORLD) if dist.is_initialized() else None
-    return tsp, device, owns
+    return device, owns
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    device, owns = _setup_group(args.device)
+    rc = 1
+    try:
+        try:
+            rc = _generate(args, device)
+        except TSPConfigError as e:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"lightning-tsp generate: error: {e}", file=sys.stderr)
+            rc = 2
+    finally:
+        if owns:  # _generate has returned: the model and its groups are no longer referenced
+            destroy_process_groups(barrier=rc == 0)
+    return rc
+
+
+def _generate(args: argparse.Namespace, device: torch.device) -> int:
+    """Load, generate, print (rank 0); every object holding a process group lives in this frame only."""
     from lightning_tsp.inference.generate import generate
     from lightning_tsp.inference.loading import load_model, resolve_checkpoint
 
-    tsp, device, owns = _setup_group(args.device)
+    tsp = TSPGroup.from_process_group(dist.group.WORLD) if dist.is_initialized() else None
     rank = tsp.rank if tsp is not None else 0
-    try:
-        source = resolve_checkpoint(args.checkpoint, args.config, args.preset, args.prefix)
-        tok = _tokenizer(args.tokenizer, source, source.cfg.vocab_size)
-        prompts = [[int(t) for t in s.split()] for s in args.prompt_ids]
-        if args.prompt:
-            if tok is None:
-                raise TSPConfigError("no tokenizer for text prompts: pass --prompt-ids or --tokenizer PATH")
-            prompts += [tok.encode(t) for t in args.prompt]
-        if not prompts:
-            raise TSPConfigError("no prompt: pass --prompt TEXT or --prompt-ids 'ID ID ...'")
-        model = load_model(source, tsp, DTYPES[args.dtype], device)
-        check_runtime = getattr(model, "_check_runtime", None)  # TSPCausalLM: e.g. a sliding window too short
-        if check_runtime is not None:
-            check_runtime(max(map(len, prompts)) + args.max_new_tokens - 1)  # the last new token is not fed back
+    source = resolve_checkpoint(args.checkpoint, args.config, args.preset, args.prefix)
+    tok = _tokenizer(args.tokenizer, source, source.cfg.vocab_size)
+    prompts = [[int(t) for t in s.split()] for s in args.prompt_ids]
+    if args.prompt:
+        if tok is None:
+            raise TSPConfigError("no tokenizer for text prompts: pass --prompt-ids or --tokenizer PATH")
+        prompts += [tok.encode(t) for t in args.prompt]
+    if not prompts:
+        raise TSPConfigError("no prompt: pass --prompt TEXT or --prompt-ids 'ID ID ...'")
+    model = load_model(source, tsp, DTYPES[args.dtype], device)
+    check_runtime = getattr(model, "_check_runtime", None)  # TSPCausalLM: e.g. a sliding window too short
+    if check_runtime is not None:
+        check_runtime(max(map(len, prompts)) + args.max_new_tokens - 1)  # the last new token is not fed back
 
-        as_text = tok is not None and not args.prompt_ids
-        pieces = tok.streamer() if as_text else None
-        stream = rank == 0 and len(prompts) == 1
+    as_text = tok is not None and not args.prompt_ids
+    pieces = tok.streamer() if as_text else None
+    stream = rank == 0 and len(prompts) == 1
 
-        def streamer(step, tokens):
-            if stream:
-                ids = tokens.tolist()
-                sys.stdout.write(pieces(ids) if as_text else ("" if step == 0 else " ") + str(ids[0]))
-                sys.stdout.flush()
-
-        out = generate(model, prompts, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=args.eos_token_id,
-                       max_seq_len=args.max_seq_len, streamer=streamer)
-        if rank == 0:
-            if stream:
-                sys.stdout.write("\n")
-            else:
-                for i in range(len(prompts)):
-                    ids = out.tokens[i, : out.lengths[i]].tolist()
-                    text = tok.streamer()(ids) if as_text else " ".join(map(str, ids))
-                    sys.stdout.write(f"[{i}] {text}\n")
+    def streamer(step, tokens):
+        if stream:
+            ids = tokens.tolist()
+            sys.stdout.write(pieces(ids) if as_text else ("" if step == 0 else " ") + str(ids[0]))
             sys.stdout.flush()
-    except TSPConfigError as e:
-        if rank == 0:
-            print(f"lightning-tsp generate: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if owns:
-            dist.destroy_process_group()
+
+    out = generate(model, prompts, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=args.eos_token_id,
+                   max_seq_len=args.max_seq_len, streamer=streamer)
+    if rank == 0:
+        if stream:
+            sys.stdout.write("\n")
+        else:
+            for i in range(len(prompts)):
+                ids = out.tokens[i, : out.lengths[i]].tolist()
+                text = tok.streamer()(ids) if as_text else " ".join(map(str, ids))
+                sys.stdout.write(f"[{i}] {text}\n")
+        sys.stdout.flush()
     return 0
 
 
