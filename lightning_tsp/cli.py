@@ -20,6 +20,7 @@ be given with ``class_path``) and ``TSPStrategy`` as the default strategy. ``tra
 
 from __future__ import annotations
 
+import contextvars
 import sys
 from typing import Any
 
@@ -192,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if name in LIGHTNING_COMMANDS:
         # From the console script, LightningCLI reads sys.argv itself: Lightning's subprocess launcher re-runs
         # exactly that command line for the other local ranks.
-        lightning_cli(None if from_sys else [name, *rest])
+        # in a context of its own: jsonargparse leaves a context variable holding its parser (and through it the
+        # Trainer, the model and their process groups) set after parsing; run in a copy, nothing outlives the
+        # run into interpreter shutdown, where gloo's worker threads would abort the process (lightning_tsp.teardown)
+        contextvars.Context().run(lightning_cli, None if from_sys else [name, *rest])
         return 0
     return _run_module(name, rest)
 
