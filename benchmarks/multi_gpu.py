@@ -186,17 +186,12 @@ def _max_over_ranks(x: float, dev: str) -> float:
 
 
 def _finish(dev: str) -> None:
-    """Leave together: a barrier before tearing the group down (a rank destroying its gloo group while the
-    other still completes the last collective can abort the process)."""
-    import torch.distributed as dist
+    """Leave together (a barrier), then destroy every process group while the interpreter is whole, so that gloo's
+    worker threads end before it finalises (lightning_tsp.teardown). The caller has dropped its models first."""
+    from lightning_tsp.teardown import destroy_process_groups
 
     _sync_all(dev)
-    dist.destroy_process_group()
-    # Skip the interpreter's own teardown: with gloo it occasionally aborts ("terminate called without an active
-    # exception") after all the work is done; the results are already on disk.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    destroy_process_groups(barrier=False)
 
 
 def _device_name(dev: str) -> str:
@@ -316,6 +311,7 @@ def throughput_worker(args) -> None:
             out["peak_gb"] = None
             out["peak_note"] = "CPU run: peak memory not measured"
         write_json(args.result, out)
+    del runner, loss  # the model holds the process groups: drop it before they are destroyed
     _finish(dev)
 
 
