@@ -4,6 +4,8 @@ The captured graphs themselves are checked on a GPU (tests/test_gpu.py::test_cud
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -61,6 +63,8 @@ def test_stale_backward_refused() -> None:
         model(*inputs)
     with pytest.raises(RuntimeError, match="another forward before this backward"):
         first.backward()
+    clone = copy.deepcopy(model)  # (an EMA callback, say): the copy does not share the graphs' buffers
+    assert clone._layer_graphs is None and model._layer_graphs is not None
 
 
 def test_cuda_graphs_settings_refused() -> None:

@@ -413,6 +413,11 @@ class TSPLlama(nn.Module):
         """Drop the captured layer graphs and their memory; the next training step starts a new warm-up."""
         self._layer_graphs = None
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_layer_graphs"] = None  # graphs are not copied or pickled: a copy captures its own
+        return state
+
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [..., d] of the rotary embedding at the given global positions (training, prefill and decode
         all take their tables from here)."""
