@@ -48,6 +48,23 @@ def _live_groups() -> list[dist.ProcessGroup]:
     return list(dist.distributed_c10d._world.pg_map)
 
 
+def _meshes() -> list:
+    """The registered meshes and every other DeviceMesh still alive (held by DTensor's caches, say: sharding
+    propagation and redistribution plans keep the meshes of the specs they saw)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch without DeviceMesh holds none
+        return list(_MESHES)
+    found = {id(m): m for m in _MESHES}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, DeviceMesh):
+                found.setdefault(id(obj), obj)
+        except ReferenceError:  # a dead weak proxy (DeviceMesh's metaclass looks at the object)
+            continue
+    return list(found.values())
+
+
 def destroy_process_groups(barrier: bool = True) -> int:
     """Destroy the default process group and every group made from it, and end their gloo worker threads.
 
@@ -65,7 +82,7 @@ def destroy_process_groups(barrier: bool = True) -> int:
             dist.barrier()
         groups = [weakref.ref(pg) for pg in _live_groups()]
         dist.destroy_process_group()
-    for mesh in list(_MESHES):  # also when the caller destroyed the groups itself
+    for mesh in _meshes():  # also when the caller destroyed the groups itself
         getattr(mesh, "_pg_registry", {}).clear()
     gc.collect()  # groups held only by reference cycles (a Trainer and its strategy, a module and its hooks)
     return sum(ref() is not None for ref in groups)
