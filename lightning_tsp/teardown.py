@@ -22,12 +22,17 @@ joins the threads (PyTorch releases the GIL in that destructor). The references 
 * DTensor's caches (``functools.lru_cache`` of redistribution plans and mesh topologies) hold every DeviceMesh they
   saw, and a mesh holds its groups (``_pg_registry``, torch >= 2.12): meshes registered here
   (:func:`destroy_process_groups_at_exit`) let go of their groups once these are destroyed.
+* ``torch.compile`` keeps the groups a compiled function saw (as example values of its graph inputs) in its caches
+  and in the compiled functions Dynamo installs as globals of the traced modules (``__compiled_fn_*``,
+  ``__resume_at_*``; ``torch._dynamo.reset`` leaves these). Code compiled against destroyed groups cannot run again:
+  the caches are reset and those globals dropped.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import sys
 import weakref
 from typing import TYPE_CHECKING
 
@@ -84,8 +89,24 @@ def destroy_process_groups(barrier: bool = True) -> int:
         dist.destroy_process_group()
     for mesh in _meshes():  # also when the caller destroyed the groups itself
         getattr(mesh, "_pg_registry", {}).clear()
+    if "torch._dynamo" in sys.modules:
+        _forget_compiled_code(sys.modules["torch._dynamo"])
     gc.collect()  # groups held only by reference cycles (a Trainer and its strategy, a module and its hooks)
     return sum(ref() is not None for ref in groups)
+
+
+_DYNAMO_GLOBALS = ("__compiled_fn", "__resume_at")
+
+
+def _forget_compiled_code(dynamo) -> None:
+    """Drop what ``torch.compile`` keeps of the code it compiled (see the module docstring)."""
+    dynamo.reset()
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name in [n for n in namespace if isinstance(n, str) and n.startswith(_DYNAMO_GLOBALS)]:
+            del namespace[name]
 
 
 def _destroy_at_exit() -> None:
