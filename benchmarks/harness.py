@@ -88,10 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sp", type=int, help="tp_x_sp: S (default world / T)")
     ap.add_argument("--rank", type=int, default=0, help="the rank this GPU plays")
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
+    ap.add_argument("--precision", choices=("bf16-mixed", "bf16-true", "32-true"), default="bf16-mixed",
+                    help="bf16-true (bf16 weights, optimizer states and residual stream, no autocast): TSP only")
     ap.add_argument("--checkpointing", choices=CHECKPOINTING, default="full",
-                    help="selective, offload: TSP only (keep attention and re-run norm + MLP ring; full with the "
-                         "layer inputs in pinned host memory)")
+                    help="selective, offload, full-offload: TSP only (keep attention and re-run norm + MLP ring; "
+                         "keep-attention's / full's kept tensors in pinned host memory)")
     ap.add_argument("--kv-bucket-heads", type=int, help="TSP: KV heads gathered at once (head bucketing)")
     ap.add_argument("--shard-group", type=_shard_group, default="auto",
                     help="TSP: owners per broadcast-schedule step (a divisor of --world, or auto)")
@@ -219,7 +220,8 @@ def make_setup(args, cfg, device: str):
 
     return Setup(cfg, args.strategy, args.world, args.rank, args.seq_len, args.micro_batch,
                  tp=args.tp or 1, sp=args.sp or 1, checkpointing=args.checkpointing, device=device,
-                 autocast=args.precision == "bf16-mixed", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
+                 autocast=args.precision == "bf16-mixed",
+                 param_dtype="bfloat16" if args.precision == "bf16-true" else "float32", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
                  attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
                  norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads, shard_group=args.shard_group,
                  cuda_graphs=args.cuda_graphs if args.strategy == "tsp" else False,
@@ -283,6 +285,8 @@ def measure(args) -> dict:
     if cuda:
         row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
         row["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+        host = getattr(torch.cuda, "host_memory_stats", None)  # pinned host memory (offloading modes)
+        row["host_peak_gb"] = host()["allocated_bytes.peak"] / 1e9 if host is not None else None
     else:
         row["peak_gb"] = None  # no allocator statistics on CPU
         row["peak_note"] = "CPU run: peak memory not measured"
@@ -343,7 +347,8 @@ def base_row(args, cfg) -> dict:
         "shard_group": args.shard_group, "cuda_graphs": args.cuda_graphs if tsp else None,
         "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
-        "excluded": EXCLUDED, "status": "?", "step_s": None, "peak_gb": None, "tokens_per_s_per_gpu": None,
+        "excluded": EXCLUDED, "status": "?", "step_s": None, "peak_gb": None, "host_peak_gb": None,
+        "extrapolated": False, "tokens_per_s_per_gpu": None,
         "gpu_busy_s": None,  # measured with --profile (profile_step)
         # as requested; measure() replaces it with the kernel it resolves to
         "attention_kernel": f"sdpa-{args.sdpa_backend}" if args.strategy in SQUARE_ATTENTION else args.attention_kernel,
@@ -408,7 +413,7 @@ def finalize(row: dict) -> dict:
     if row["strategy"] == "tsp":  # the g that "auto" resolves to, as the model resolves it
         from lightning_tsp.planning.collectives import resolve_shard_group
 
-        w_bytes = 2 if row["precision"] == "bf16-mixed" else 4
+        w_bytes = 2 if row["precision"] in ("bf16-mixed", "bf16-true") else 4
         row["shard_group_used"] = resolve_shard_group(shape, row["micro_batch"], row["seq_len"], row["world"],
                                                       w_bytes, row.get("shard_group") or "auto")
     try:
@@ -545,8 +550,12 @@ def extrapolated(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
     k = (full - l2) / (l2 - l1)
     row["layers"] = full
     row["peak_gb"] = None if r2.get("peak_gb") is None else r2["peak_gb"] + k * (r2["peak_gb"] - r1["peak_gb"])
+    if r2.get("host_peak_gb") is not None and r1.get("host_peak_gb") is not None:
+        row["host_peak_gb"] = r2["host_peak_gb"] + k * (r2["host_peak_gb"] - r1["host_peak_gb"])
     row["step_s"] = r2["step_s"] + k * (r2["step_s"] - r1["step_s"])
     row["measured"] = {str(l1): [r1.get("peak_gb"), r1["step_s"]], str(l2): [r2.get("peak_gb"), r2["step_s"]]}
+    row["measured_host_peak_gb"] = {str(l1): r1.get("host_peak_gb"), str(l2): r2.get("host_peak_gb")}
+    row["extrapolated"] = True
     row["extrapolated_from"] = f"{l1},{l2}"
     row["command"] = shlex.join(single_command(args, strategy, seq, tp=tp, sp=sp,
                                                extra=["--probe-layers", str(l1), str(l2)]))

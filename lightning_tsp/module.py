@@ -62,8 +62,9 @@ class TSPLanguageModel(LightningModule):
         attention_kernel: ``auto`` | ``flash`` | ``cudnn`` | ``sdpa`` | ``math`` (see ``lightning_tsp.kernels``).
         activation_checkpointing: ``none``, ``selective`` (keep attention, recompute norm + MLP ring), ``full``
             (recompute each layer's forward in backward), ``keep-attention`` (``full`` that also keeps the
-            attention outputs on the GPU: the recomputation skips the attention) or ``offload`` (``full`` with the
-            layer inputs and the attention outputs in pinned host memory; the recomputation skips the attention).
+            attention outputs on the GPU: the recomputation skips the attention), ``offload`` (``full`` with the
+            layer inputs and the attention outputs in pinned host memory; the recomputation skips the attention)
+            or ``full-offload`` (``full`` with only the layer inputs in pinned host memory: the longest contexts).
         token_chunk: tokens per chunk of the vocab-sharded LM head (the full [L, V] logits never exist).
         kv_bucket_heads: KV heads whose full-sequence K/V are gathered at once (head bucketing; ``None``: all of
             a head group's). ``1`` keeps the gathered K/V smallest at very long contexts.

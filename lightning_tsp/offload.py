@@ -1,15 +1,21 @@
-"""Full activation checkpointing that replays the attention kernels' outputs instead of re-running them.
+"""Checkpointed layers whose kept tensors live in pinned host memory, or that replay the attention kernels' outputs
+instead of re-running them.
 
-Plain ``full`` checkpointing keeps each layer's input and re-runs the whole layer in backward, K/V all-gathers and
-attention kernels included: at long contexts the attention forward is the largest part of that recomputation.
-Two modes keep, beside the layer input, the attention kernels' outputs (o and the log-sum-exp of every head
-group, S/D x h x 2 bytes per layer in bf16, half the fp32 layer input), so that the re-run issues no K/V
-all-gather and no attention kernel and costs only the GEMMs and the weight traffic:
+Plain ``full`` checkpointing keeps each layer's input on the GPU and re-runs the whole layer in backward, K/V
+all-gathers and attention kernels included: at long contexts the attention forward is the largest part of that
+recomputation. Three modes change what is kept or where:
 
-- ``"keep-attention"``: both stay on the GPU (1.5x ``full``'s saved activations; no host memory).
-- ``"offload"``: both are copied to pinned host memory on a side stream during the forward (overlapping the next
-  layer) and the GPU keeps no per-layer activation. Backward brings the next layer's tensors back on the side
-  stream while the current layer is differentiated (:class:`StashChain`), so the copies hide behind compute.
+- ``"keep-attention"``: the layer input and the attention kernels' outputs (o and the log-sum-exp of every head
+  group, S/D x h x 2 bytes per layer in bf16, half the fp32 layer input) stay on the GPU, so that the re-run issues
+  no K/V all-gather and no attention kernel and costs only the GEMMs and the weight traffic (1.5x ``full``'s saved
+  activations; no host memory).
+- ``"offload"``: the same tensors are copied to pinned host memory on a side stream during the forward
+  (overlapping the next layer) and the GPU keeps no per-layer activation. Backward brings the next layer's tensors
+  back on the side stream while the current layer is differentiated (:class:`StashChain`), so the copies hide
+  behind compute.
+- ``"full-offload"``: only the layer input goes to pinned host memory (and comes back as in ``offload``); the
+  re-run is ``full``'s, attention included. The longest contexts: ``offload``'s host memory is the layer inputs
+  plus the attention outputs, this mode's only the inputs (with ``bf16-true`` half of ``bf16-mixed``'s fp32 ones).
 
 At the start of a layer's backward the layer is re-run under autograd and differentiated in place (a reentrant
 checkpoint: parameter gradients accumulate as in any backward). Same function, same gradients as ``full``.
@@ -91,14 +97,23 @@ class _HostCopy:
 
 
 class StashChain:
-    """The stashes of one forward pass, in layer order. A layer's backward prefetches the stash of the layer
+    """The stashes of one forward pass, in layer order: each layer's input and, with ``attention``, its attention
+    outputs, kept on the ``"device"`` or in ``"host"`` memory. A layer's backward prefetches the stash of the layer
     before it (the next backward), so its host-to-device copies overlap this layer's recomputation."""
 
-    def __init__(self, place: str):
+    MODES = {"keep-attention": ("device", True), "offload": ("host", True), "full-offload": ("host", False)}
+
+    def __init__(self, place: str, attention: bool = True):
         if place not in ("device", "host"):
             raise ValueError(f"place={place!r}: choose 'device' or 'host'")
         self.keep = _Kept if place == "device" else _HostCopy
+        self.attention = attention
         self.stashes: list[list | None] = []
+
+    @classmethod
+    def for_mode(cls, mode: str) -> "StashChain | None":
+        """The chain of a checkpointing mode that keeps its tensors in one (None for the other modes)."""
+        return cls(*cls.MODES[mode]) if mode in cls.MODES else None
 
 
 @contextlib.contextmanager
@@ -128,11 +143,12 @@ class StashedCheckpoint(torch.autograd.Function):
         ctx.layer, ctx.chain = layer, chain
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
             else (False, None)
-        stash = AttentionStash()
+        stash = AttentionStash() if chain.attention else None
         with torch.no_grad(), stashing(layer, stash):
             y = layer(x, *args)
         # [x, then every attention output and log-sum-exp in order]: what the re-run replays
-        kept = [chain.keep(x)] + [None if t is None else chain.keep(t) for item in stash.items for t in item]
+        items = stash.items if stash is not None else []
+        kept = [chain.keep(x)] + [None if t is None else chain.keep(t) for item in items for t in item]
         ctx.index = len(chain.stashes)
         chain.stashes.append(kept)
         ctx.tensor_args = [isinstance(a, Tensor) for a in args]  # others (e.g. a Documents) are inputs kept as is
@@ -152,21 +168,23 @@ class StashedCheckpoint(torch.autograd.Function):
                 if k is not None:
                     k.prefetch()
         x = restored[0].requires_grad_(kept[0].requires_grad)
-        stash = AttentionStash()
-        stash.items = list(zip(restored[1::2], restored[2::2]))
-        stash.replaying = True
+        stash = None
+        if chain.attention:
+            stash = AttentionStash()
+            stash.items = list(zip(restored[1::2], restored[2::2]))
+            stash.replaying = True
         dev = x.device.type
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), stashing(ctx.layer, stash):
             y = ctx.layer(x, *args)
-        assert not stash.items, "the recomputation did not replay every attention output"
+        assert stash is None or not stash.items, "the recomputation did not replay every attention output"
         pairs = [(t, g) for t, g in zip(_tensors(y), grads) if t is not None and g is not None and t.requires_grad]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return (None, None, x.grad if ctx.needs_input_grad[2] else None) + (None,) * len(args)
 
 
 def stashed_checkpoint(layer: nn.Module, chain: StashChain, x: Tensor, *args: Tensor):
-    """``layer(x, *args)``, checkpointed with its attention outputs kept where ``chain`` keeps them."""
+    """``layer(x, *args)``, checkpointed with its input (and attention outputs) kept where ``chain`` keeps them."""
     if not torch.is_grad_enabled():
         return layer(x, *args)
     return StashedCheckpoint.apply(layer, chain, x, *args)

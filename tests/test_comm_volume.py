@@ -83,7 +83,8 @@ def _nonzero(tally: dict) -> dict:
 
 
 def _worker(rank: int, world_size: int) -> None:
-    cases = [(shapes_for(world_size, gqa=True, tie=False), c) for c in ("none", "selective", "full", "keep-attention", "offload")]
+    modes = ("none", "selective", "full", "keep-attention", "offload", "full-offload")
+    cases = [(shapes_for(world_size, gqa=True, tie=False), c) for c in modes]
     cases.append((shapes_for(world_size, gqa=True, tie=True), "none"))
     # one KV head replicated on every rank: K/V gathered and reduce-scattered once, one replica all-reduce
     cases += [(replicated(world_size, 1), c) for c in ("none", "offload")]

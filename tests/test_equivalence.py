@@ -139,6 +139,7 @@ def _worker(rank: int, world_size: int) -> None:
     # layer inputs in host memory; batch 1 (the K/V exchange's in-place path, no transposing copy)
     check_case(shapes_for(world_size, True), "offload", b=1)
     check_case(shapes_for(world_size, True), "keep-attention")  # the same replay, the stash left on the device
+    check_case(shapes_for(world_size, True), "full-offload")  # the layer input only in host memory, full's re-run
     # head bucketing: the 2 local KV heads gathered one at a time
     bucketed = dataclasses.replace(shapes_for(world_size, True), n_heads=4 * world_size, n_kv_heads=2 * world_size,
                                    hidden_size=32 * world_size)
@@ -168,6 +169,7 @@ def _replicated_kv_cases(world_size: int) -> None:
         check_case(cfg, "none")
         check_case(cfg, "full", b=1)
     check_case(replicated(world_size, 1, attention_bias=True), "offload")
+    check_case(replicated(world_size, 1, qk_norm=True, head_dim=12), "full-offload", b=1)
     check_case(replicated(world_size, 1, qk_norm=True, head_dim=12), "selective")
     cfg = cases[-1]
     model = TSPLlama(cfg, world_tsp(), dtype=torch.float64)

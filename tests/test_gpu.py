@@ -129,11 +129,12 @@ def test_model_bf16_autocast_matches_fp64_cpu_reference(name, fused, request):
 def test_offload_checkpointing_equals_full_on_gpu(compiled_pieces):
     """checkpointing="offload" (layer inputs and attention outputs in pinned host memory, brought back on a side
     stream one layer ahead, the recomputation replaying the attention outputs) and "keep-attention" (the same
-    kept on the GPU) give full checkpointing's loss and gradients under bf16 autocast."""
+    kept on the GPU) and "full-offload" (the layer inputs only in host memory, full's re-run) give full
+    checkpointing's loss and gradients under bf16 autocast."""
     cfg = ModelConfig(vocab_size=512, hidden_size=512, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=1024)
     ids = torch.randint(0, cfg.vocab_size, (1, 2048), generator=torch.Generator().manual_seed(0)).cuda()
     results = []
-    for mode in ("full", "offload", "keep-attention"):
+    for mode in ("full", "offload", "keep-attention", "full-offload"):
         model = TSPLlama(cfg, TSPGroup.single(), activation_checkpointing=mode, dtype=torch.float32).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(*model.shard_batch(ids))

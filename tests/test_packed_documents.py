@@ -76,7 +76,7 @@ def check(cfg: ModelConfig, checkpointing: str = "none") -> None:
 
 
 def _worker(rank: int, world_size: int) -> None:
-    for ckpt in ("none", "full", "keep-attention", "offload"):
+    for ckpt in ("none", "full", "keep-attention", "offload", "full-offload"):
         check(shapes_for(world_size, gqa=True), ckpt)
     check(dataclasses.replace(shapes_for(world_size, gqa=True), qk_norm=True, head_dim=12, attention_bias=True),
           "selective")

@@ -397,10 +397,17 @@ def test_tsp_fixed_cost_counts_schedule_steps_and_ring_hops():
 
 def test_planner_and_model_know_the_same_checkpointing_modes():
     from lightning_tsp.models.llama import CHECKPOINTING_MODES
-    from lightning_tsp.planning.collectives import ATTENTION_REPLAYED, CHECKPOINTING, RECOMPUTING
+    from lightning_tsp.offload import StashChain
+    from lightning_tsp.planning.collectives import (ATTENTION_RECOMPUTED, ATTENTION_REPLAYED, CHECKPOINTING,
+                                                    OFFLOADED, RECOMPUTING)
 
     assert CHECKPOINTING_MODES == CHECKPOINTING
     assert set(ATTENTION_REPLAYED) < set(RECOMPUTING) < set(CHECKPOINTING)
+    assert set(ATTENTION_REPLAYED) | set(ATTENTION_RECOMPUTED) == set(RECOMPUTING)
+    assert not set(ATTENTION_REPLAYED) & set(ATTENTION_RECOMPUTED)
+    # the model keeps in host memory exactly what the planner counts there, and replays what it says it replays
+    assert {m for m, (place, _) in StashChain.MODES.items() if place == "host"} == set(OFFLOADED)
+    assert {m for m, (_, attention) in StashChain.MODES.items() if attention} == set(ATTENTION_REPLAYED)
 
 
 def test_plan_lists_every_checkpointing_mode_for_the_recommendation(capsys):
@@ -409,14 +416,18 @@ def test_plan_lists_every_checkpointing_mode_for_the_recommendation(capsys):
     same tensors in host memory (its host figure is keep-attention's saved activations)."""
     assert main(["--model", "paper-7b", "--seq-len", "1048576", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
-    lines = out[out.index("checkpointing modes for TSP D=8:"):].splitlines()[1:6]
+    lines = out[out.index("checkpointing modes for TSP D=8:"):].splitlines()[1:7]
     modes = {line.split()[0]: line for line in lines}
-    assert list(modes) == ["none", "selective", "full", "keep-attention", "offload"]
+    assert list(modes) == ["none", "selective", "full", "keep-attention", "offload", "full-offload"]
     assert "does NOT fit" in modes["keep-attention"] and "does NOT fit" not in modes["full"]
     layout = Layout("tsp", 8, 8, tsp=8)
     kept = memory_breakdown(P7, layout, MIXED, 1, 1048576, "keep-attention")["activations"]
     full = memory_breakdown(P7, layout, MIXED, 1, 1048576, "full")["activations"]
     assert kept == pytest.approx(1.5 * full, rel=0.01)  # + o (bf16) and an fp32 lse per head beside the fp32 input
     assert f"{kept / 2**30:.1f} GiB pinned host memory per GPU" in modes["offload"]
+    assert f"{full / 2**30:.1f} GiB pinned host memory per GPU" in modes["full-offload"]
+    assert "pinned" not in modes["full"] + modes["keep-attention"]
     step = {m: float(line.split("step ")[1].split()[0]) for m, line in modes.items()}
-    assert step["keep-attention"] == step["offload"] < step["full"]
+    assert step["keep-attention"] == step["offload"] < step["full"] == step["full-offload"]
+    peak = {m: float(line.split()[1]) for m, line in modes.items()}
+    assert peak["full-offload"] < peak["full"] and peak["full-offload"] <= peak["offload"] + 0.05

@@ -34,6 +34,7 @@ class Setup:
     checkpointing: str = "full"
     device: str = "cuda"
     autocast: bool = True  # bf16 autocast over fp32 weights (bf16-mixed)
+    param_dtype: str = "float32"  # the weights' dtype: bfloat16 with autocast False is bf16-true (TSP only)
     optimizer: str = "foreach"  # foreach (torch's CUDA default) | fused | forloop
     norm: str = "torch"  # RMSNorm: torch (nn.RMSNorm) | manual
     sdpa_backend: str = "auto"  # square causal SDPA (TP, TP-SP, FSDP): auto | cudnn | flash | math | default

@@ -15,7 +15,7 @@ def build(setup: Setup, full_state: dict | None = None) -> Runner:
     model = TSPLlama(setup.cfg, tsp, attention_kernel=setup.attention_kernel,
                      activation_checkpointing=setup.checkpointing, kv_bucket_heads=setup.kv_bucket_heads,
                      shard_group=setup.shard_group, cuda_graphs=setup.cuda_graphs, device=setup.device,
-                     dtype=torch.float32)
+                     dtype=getattr(torch, setup.param_dtype))
     opt = make_optimizer(model.parameters(), setup)
     ids, _ = make_batch(setup)
     inputs = [x.to(setup.device) for x in model.shard_batch(ids)]

@@ -25,7 +25,6 @@ from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_los
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
 from lightning_tsp.graphs import GRAPHED_CHECKPOINTING, GRAPHED_MAX_TOKENS, LayerGraphs
 from lightning_tsp.offload import StashChain, stashed_checkpoint
-from lightning_tsp.planning.collectives import ATTENTION_REPLAYED
 from lightning_tsp.schedules.comm import SumOverGroup, all_reduce_sum, local_tensor
 from lightning_tsp.zigzag import IGNORE_INDEX, document_starts, shard_batch
 
@@ -107,7 +106,7 @@ class ModelConfig:
         return self.num_params() - idle * self.moe_intermediate_size
 
 
-CheckpointingMode = Literal["none", "selective", "full", "keep-attention", "offload"]
+CheckpointingMode = Literal["none", "selective", "full", "keep-attention", "offload", "full-offload"]
 CHECKPOINTING_MODES: tuple[str, ...] = get_args(CheckpointingMode)
 
 _PRESET_ARGS: dict[str, dict] = {
@@ -368,14 +367,15 @@ class TSPLlama(nn.Module):
         graphs = self._graphs_for(x, cos, documents) if self._graphed(x, mode, documents) else None
         if graphs is not None:
             cos, sin = graphs.begin_step(cos, sin)
-        # keep-attention / offload: the layer input and the attention outputs, on the GPU / in pinned host memory
-        chain = StashChain("host" if mode == "offload" else "device") if mode in ATTENTION_REPLAYED else None
+        # keep-attention / offload: the layer input and the attention outputs, on the GPU / in pinned host memory;
+        # full-offload: the layer input only, in pinned host memory
+        chain = StashChain.for_mode(mode)
         for i, layer in enumerate(self.model.layers):
             if graphs is not None:  # captured once, replayed every step (lightning_tsp.graphs)
                 x, stats = graphs(i, x, cos, sin), None
             elif mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
                 x, stats = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
-            elif chain is not None:  # as full, without re-running the K/V gathers and attention kernels
+            elif chain is not None:  # as full, keeping what the chain keeps where it keeps it
                 x, stats = stashed_checkpoint(layer, chain, x, cos, sin, documents)
             else:
                 x, stats = layer(x, cos, sin, documents, checkpoint_mlp=mode == "selective")

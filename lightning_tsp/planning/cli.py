@@ -143,16 +143,25 @@ def _breakdown(e: Estimate) -> str:
     return "\n".join(lines)
 
 
+def host_bytes(shape, layout, precision, micro_batch: int, seq_len: int, mode: str) -> float:
+    """Pinned host memory per GPU of a checkpointing mode: what ``keep-attention`` (``offload``) or ``full``
+    (``full-offload``) keeps on the GPU; 0 for the other modes."""
+    on_gpu = {"offload": "keep-attention", "full-offload": "full"}.get(mode)
+    if on_gpu is None:
+        return 0.0
+    return memory_breakdown(shape, layout, precision, micro_batch, seq_len, on_gpu)["activations"]
+
+
 def checkpointing_lines(rec: Estimate) -> list[str]:
     """The recommended layout under every activation-checkpointing mode: peak, fits, step (TSP: with its fitted
-    fixed cost) and the pinned host memory ``offload`` needs per GPU (what ``keep-attention`` keeps on it)."""
+    fixed cost) and the pinned host memory the offloading modes need per GPU (see :func:`host_bytes`)."""
     args = (rec.shape, rec.layout, rec.precision, rec.micro_batch, rec.seq_len)
-    host = memory_breakdown(*args, "keep-attention")["activations"]
     lines = [f"checkpointing modes for {rec.layout.label} {rec.layout.degrees}:"]
     for mode in CHECKPOINTING:
         e = estimate(rec.shape, rec.layout, rec.hardware, rec.precision, rec.micro_batch, rec.seq_len, mode,
                      headroom=rec.headroom)
-        extra = f", {host / GiB:.1f} GiB pinned host memory per GPU" if mode == "offload" else ""
+        host = host_bytes(*args, mode)
+        extra = f", {host / GiB:.1f} GiB pinned host memory per GPU" if host else ""
         lines.append(f"  {mode:<15} {e.peak_bytes / GiB:6.1f} GiB  {'fits' if e.fits else 'does NOT fit':<12} "
                      f"step {e.step_fitted_s:.3f} s{extra}")
     return lines

@@ -47,9 +47,11 @@ OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
 ALL_OPS = OPS + ("all_to_all",)  # + expert dispatch's all_to_all_single (only in tallies that issue it)
 PHASES = ("forward", "backward")
 G_BYTES = 4  # gradient reductions are fp32
-CHECKPOINTING = ("none", "selective", "full", "keep-attention", "offload")
-RECOMPUTING = ("full", "keep-attention", "offload")  # re-run each layer's forward in backward
+CHECKPOINTING = ("none", "selective", "full", "keep-attention", "offload", "full-offload")
+RECOMPUTING = ("full", "keep-attention", "offload", "full-offload")  # re-run each layer's forward in backward
 ATTENTION_REPLAYED = ("keep-attention", "offload")  # ... replaying the attention outputs (no K/V gather, no kernel)
+ATTENTION_RECOMPUTED = ("full", "full-offload")  # ... re-running the K/V gathers and the attention kernels too
+OFFLOADED = ("offload", "full-offload")  # the kept tensors in pinned host memory (nothing per layer on the GPU)
 
 Tally = dict[str, dict[str, int]]  # phase -> op -> bytes (or calls)
 What = Literal["bytes", "calls"]

@@ -8,7 +8,7 @@ expert and the router (2*E*h per token); 2 FLOPs per active weight per token, li
 
 from __future__ import annotations
 
-from .collectives import RECOMPUTING
+from .collectives import ATTENTION_RECOMPUTED, RECOMPUTING
 from .model import ModelShape
 
 __all__ = [
@@ -63,12 +63,12 @@ def training_flops(
     ``model``: the usual 3x forward (backward = 2x forward for every matmul, attention included).
     ``hardware``: what actually runs: flash-style attention backward recomputes QK^T (2.5x its forward, 5 matmuls
     vs 2), and full checkpointing re-runs every layer's forward (LM head not checkpointed); keep-attention and
-    offload re-run the GEMMs but not the attention kernels. Selective checkpointing recomputes only elementwise ops (not counted).
+    offload re-run the GEMMs but not the attention kernels (full-offload re-runs both, as full). Selective checkpointing recomputes only elementwise ops (not counted).
     """
     f = forward_flops(shape, B, S, causal)
     model = 3 * (f["linear"] + f["attention"] + f["lm_head"])
     recompute = 1 if checkpointing in RECOMPUTING else 0
-    recompute_attn = 1 if checkpointing == "full" else 0  # keep-attention and offload replay the attention outputs
+    recompute_attn = 1 if checkpointing in ATTENTION_RECOMPUTED else 0  # keep-attention, offload replay them
     hw_matmul = f["linear"] * (3 + recompute) + f["lm_head"] * 3
     hw_attn = f["attention"] * (1 + recompute_attn) + f["attention"] * 5 // 2
     return {"forward": sum(f.values()), "model": model, "hardware": hw_matmul + hw_attn,

@@ -249,7 +249,7 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
     SwiGLU elementwise ops (keeps 2 F-wide tensors); for TSP (``mlp_saved == 2``) it keeps the attention half and
     re-runs the second norm and the MLP ring from the block's input; ``full`` keeps only the layer input;
     ``keep-attention`` keeps it and the attention outputs (o in the compute dtype, an fp32 log-sum-exp per head);
-    ``offload`` keeps both in host memory (nothing on the GPU).
+    ``offload`` keeps both in host memory, ``full-offload`` the layer input only (nothing on the GPU).
     """
     h, hd, a, r = shape.hidden_size, shape.hd, p.compute, p.residual
     norm_in = 2 * h * r * T_res  # both norms' inputs
@@ -269,7 +269,7 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
         saved = h * r * T_res
     elif mode == "keep-attention":
         saved = h * r * T_res + q_heads * (hd * a + 4) * T_tok
-    elif mode == "offload":  # full checkpointing with the layer input in pinned host memory
+    elif mode in C.OFFLOADED:  # what keep-attention / full keep, in pinned host memory instead
         saved = 0
     else:
         raise ValueError(f"checkpointing must be one of {C.CHECKPOINTING}, got {mode!r}")
@@ -496,7 +496,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
         if s == "tp_x_sp":
             kv = 2 * T * _kv_local(shape.n_kv_heads, t) * shape.hd * a
             E("forward", "all_gather_into_tensor", "sp", sig, t, kv, 1, False, True, "K/V all-gather")
-            if mode == "full":  # the other recomputing modes replay the attention outputs
+            if mode in C.ATTENTION_RECOMPUTED:  # the other recomputing modes replay the attention outputs
                 E("backward", "all_gather_into_tensor", "sp", sig, t, kv, 1, False, True, "K/V recompute")
             E("backward", "reduce_scatter_tensor", "sp", sig, t, kv, 1, False, True, "dK/dV reduce-scatter")
             E("forward", "all_reduce", "sp", sig, t, 16, 2, False, False, "loss")
@@ -507,7 +507,7 @@ def communication(shape: ModelShape, layout: Layout, p: Precision, B: int, S: in
         sig = layout.sp
         kv = 2 * T * shape.kv_dim * a
         E("forward", "all_gather_into_tensor", "sp", sig, 1, kv, 1, False, True, "K/V all-gather")
-        if mode == "full":
+        if mode in C.ATTENTION_RECOMPUTED:
             E("backward", "all_gather_into_tensor", "sp", sig, 1, kv, 1, False, True, "K/V recompute")
         E("backward", "reduce_scatter_tensor", "sp", sig, 1, kv, 1, False, True, "dK/dV reduce-scatter")
         E("forward", "all_reduce", "sp", sig, 1, 16, 2, False, False, "loss")
