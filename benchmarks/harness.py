@@ -557,6 +557,12 @@ def extrapolated(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
     row["measured_host_peak_gb"] = {str(l1): r1.get("host_peak_gb"), str(l2): r2.get("host_peak_gb")}
     row["extrapolated"] = True
     row["extrapolated_from"] = f"{l1},{l2}"
+    # without a warm-up step each probe's timed step includes compiling the fused pieces, from caches that the
+    # first probe warmed for the second: the difference of the two steps is then not one layer's time
+    row["step_s_valid"] = args.warmup > 0
+    if args.warmup == 0:
+        print("# warning: --probe-layers with --warmup 0: the extrapolated step time includes compilation; "
+              "peaks are valid, step times are not (use --warmup 1)", file=sys.stderr)
     row["command"] = shlex.join(single_command(args, strategy, seq, tp=tp, sp=sp,
                                                extra=["--probe-layers", str(l1), str(l2)]))
     for key in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "pred_step_with_comm_s", "comm_hidden",

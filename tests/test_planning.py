@@ -431,3 +431,38 @@ def test_plan_lists_every_checkpointing_mode_for_the_recommendation(capsys):
     assert step["keep-attention"] == step["offload"] < step["full"] == step["full-offload"]
     peak = {m: float(line.split()[1]) for m, line in modes.items()}
     assert peak["full-offload"] < peak["full"] and peak["full-offload"] <= peak["offload"] + 0.05
+
+
+def test_bf16_true_one_million_row_within_10_percent():
+    """The 1M bf16-true row (full checkpointing, no host memory; docs/results/tsp-1m.jsonl): the modelled GPU peak
+    within 10%, the modelled host memory as measured (none)."""
+    from pathlib import Path
+
+    from lightning_tsp.planning.cli import host_bytes
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "results" / "tsp-1m.jsonl"
+    row = next(r for r in map(json.loads, path.read_text().splitlines()) if r["precision"] == "bf16-true")
+    layout, prec = Layout("tsp", 8, 8, tsp=8), get_precision(row["precision"])
+    args = (P7, layout, prec, row["micro_batch"], row["seq_len"])
+    assert memory_breakdown(*args, row["checkpointing"])["peak"] / 1e9 == pytest.approx(row["peak_gb"], rel=0.10)
+    assert host_bytes(*args, row["checkpointing"]) / 1e9 == pytest.approx(row["host_peak_gb"], abs=0.5)
+
+
+def test_plan_says_what_a_context_needs(capsys):
+    """At 4M tokens on 8 H200s nothing fits in bf16-mixed (fp32 layer inputs: 256 GiB of host memory per GPU beside
+    the GPU's working set); bf16-true with full-offload fits the GPU and a DGX H200's 256 GB of host memory per GPU
+    (offload's attention outputs would not). The host limit is the user's."""
+    assert main(["--model", "paper-7b", "--seq-len", "4M", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    needs = out[out.index("what this context needs on TSP D=8"):].splitlines()
+    assert "<= 256 GB pinned host memory per GPU" in needs[0]
+    assert needs[1].split()[0] == "bf16-mixed" and "nothing fits" in needs[1]
+    assert needs[2].split()[:2] == ["bf16-true", "full-offload"] and ";" not in needs[2]
+    layout, true = Layout("tsp", 8, 8, tsp=8), get_precision("bf16-true")
+    host = memory_breakdown(P7, layout, true, 1, 4 * 2**20, "full")["activations"]
+    assert f"{host / 2**30:.1f} GiB host" in needs[2]
+    assert main(["--model", "paper-7b", "--seq-len", "4M", "--gpus", "8", "--host-memory", "100"]) == 0
+    out = capsys.readouterr().out
+    needs = out[out.index("what this context needs on TSP D=8"):].splitlines()
+    assert "nothing fits" in needs[2] and "over the host memory limit" in needs[2]
+    assert "NOTHING FITS" in out and "what this context needs" in out[: out.index("checkpointing modes for")]

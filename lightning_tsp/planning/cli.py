@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16-mixed", choices=tuple(PRECISIONS), help="default bf16-mixed")
     p.add_argument("--tsp-degree", type=int, default=None, metavar="D",
                    help="only consider this TSP degree (checked strictly: divides gpus and heads, 2*D divides seq)")
+    p.add_argument("--host-memory", type=float, default=256.0, metavar="GB",
+                   help="pinned host memory an offloading mode may use per GPU, in GB (default 256: a DGX H200's "
+                        "2 TB over 8 GPUs)")
     p.add_argument("--headroom", type=float, default=0.9,
                    help="fraction of HBM a layout may use to count as fitting (default 0.9)")
     p.add_argument("--no-overlap", action="store_true",
@@ -167,6 +170,35 @@ def checkpointing_lines(rec: Estimate) -> list[str]:
     return lines
 
 
+def needs_lines(rec: Estimate, host_limit_gb: float) -> list[str]:
+    """What the sequence length needs on the recommended layout: under the requested precision and, from
+    ``bf16-mixed``, under ``bf16-true`` (bf16 weights, states and residual stream: the layer inputs half as large),
+    every checkpointing mode that fits the GPU (``headroom``) and ``host_limit_gb`` of pinned host memory per GPU,
+    fastest first (then the smaller GPU and host footprint); when none does, the smallest GPU footprint and why it does not fit."""
+    precisions = [rec.precision] + ([get_precision("bf16-true")] if rec.precision.name == "bf16-mixed" else [])
+    lines = [f"what this context needs on {rec.layout.label} {rec.layout.degrees} (<= {rec.headroom:.0%} of "
+             f"{rec.hardware.hbm_bytes / GiB:.0f} GiB per GPU, <= {host_limit_gb:.0f} GB pinned host memory per GPU):"]
+    for prec in precisions:
+        found = []
+        for mode in CHECKPOINTING:
+            e = estimate(rec.shape, rec.layout, rec.hardware, prec, rec.micro_batch, rec.seq_len, mode,
+                         headroom=rec.headroom)
+            host = host_bytes(rec.shape, rec.layout, prec, rec.micro_batch, rec.seq_len, mode)
+            found.append((e, mode, host, e.fits and host <= host_limit_gb * 1e9))
+        ok = sorted((f for f in found if f[3]), key=lambda f: (round(f[0].step_fitted_s, 3), f[0].peak_bytes, f[2]))
+        if ok:
+            text = "; ".join(f"{mode} ({e.peak_bytes / GiB:.1f} GiB"
+                             + (f", {host / GiB:.1f} GiB host" if host else "") + f", step {e.step_fitted_s:.1f} s)"
+                             for e, mode, host, _ in ok)
+        else:
+            e, mode, host, _ = min(found, key=lambda f: (f[0].peak_bytes, f[2]))
+            over = "GPU" if not e.fits else "host memory"
+            text = (f"nothing fits; the smallest GPU footprint is {mode} at {e.peak_bytes / GiB:.1f} GiB"
+                    + (f" with {host / GiB:.1f} GiB host" if host else "") + f" (over the {over} limit)")
+        lines.append(f"  {prec.name:<11} {text}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
@@ -207,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"recommended: {rec.layout.label} {rec.layout.degrees}" + ("" if rec.fits else " (does NOT fit)"))
     print(f"  why: {plan.reason}")
     for line in checkpointing_lines(rec):
+        print(line)
+    for line in needs_lines(rec, args.host_memory):
         print(line)
     if args.breakdown:
         print()

@@ -225,8 +225,9 @@ def make_plan(shape: ModelShape, hw: Hardware, precision: Precision, seq_len: in
                        f"{runner.tokens_per_s:,.0f} tok/s, {runner.peak_bytes / GiB:.1f} GiB")
     else:
         reason = (f"NOTHING FITS in {cap:.0f} GiB per GPU; the smallest footprint is {best.layout.label} "
-                  f"{best.layout.degrees} at {best.peak_bytes / GiB:.1f} GiB. Try --checkpointing full, "
-                  f"a smaller --micro-batch or --seq-len, more GPUs per model replica, or a GPU with more memory")
+                  f"{best.layout.degrees} at {best.peak_bytes / GiB:.1f} GiB. Try another --checkpointing or --precision (see "
+                  f"'what this context needs' below), a smaller --micro-batch or --seq-len, more GPUs per model "
+                  f"replica, or a GPU with more memory")
     return Plan(ests, best, reason, notes)
 
 
