@@ -344,3 +344,15 @@ def test_apply_rope_backward_is_the_transpose_of_apply_rope():
     dy = torch.randn(ref.shape, dtype=torch.float64, generator=g)
     (xr * cos + rotate_half(xr) * sin).backward(dy)
     torch.testing.assert_close(apply_rope_backward(dy, cos, sin), xr.grad, rtol=0, atol=1e-14)
+
+
+def test_tables_outlive_other_configurations(monkeypatch):
+    """A table is never dropped while the process lives: a decoder's captured CUDA graph reads it by address (a
+    cache that evicted it after N other configurations would let the graph read freed memory)."""
+    from lightning_tsp.layers import rope
+
+    monkeypatch.setattr(rope, "_TABLES", {})
+    first = rope._table(16, 1e4, None, torch.device("cpu"))[0]
+    for theta in range(1, 200):
+        rope._table(16, float(theta), None, torch.device("cpu"))
+    assert rope._table(16, 1e4, None, torch.device("cpu"))[0] is first

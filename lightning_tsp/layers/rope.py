@@ -225,8 +225,10 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-_TABLES: dict[tuple, tuple[Tensor, float]] = {}  # (head_dim, theta, frozen scaling, device) -> (inv_freq, factor)
-_MAX_TABLES = 64
+# (head_dim, theta, frozen scaling, device) -> (inv_freq, factor). Never evicted: a captured CUDA graph (a kept
+# decoder's step) reads inv_freq by address, so a table must live as long as the process; each is head_dim / 2
+# floats, one per configuration and device a process meets.
+_TABLES: dict[tuple, tuple[Tensor, float]] = {}
 
 
 def _table(head_dim: int, theta: float, scaling: dict | None, device: torch.device) -> tuple[Tensor, float]:
@@ -246,8 +248,6 @@ def _table(head_dim: int, theta: float, scaling: dict | None, device: torch.devi
         else:
             inv_freq, attention = _yarn_inv_freq(head_dim, theta, scaling), scaling["attention_factor"]
         inv_freq = inv_freq.to(device)
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.clear()
     _TABLES[key] = (inv_freq, attention)
     return inv_freq, attention
 
