@@ -217,6 +217,7 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
         _materialize_distributed_module(forward, self.root_device)
         forward.to(self.root_device)
         self._replicas = {}
+        self._aux_loss_coef = sharding.models_aux_loss_coef(found)
         for _, tsp_model in found:
             self._replicas.update(sharding.distribute_parameters(tsp_model, self.device_mesh[TSP_DIM]))
         if converted is not module:
@@ -240,7 +241,7 @@ class TSPFabricStrategy(TSPMeshMixin, ModelParallelStrategy):
 
     def shard_batch(self, batch: Any) -> dict[str, Tensor]:
         """Global batch -> this rank's ``{"input_ids", "targets", "position_ids"}`` (no collective)."""
-        return sharding.shard_global_batch(batch, self.tsp_group)
+        return sharding.shard_global_batch(batch, self.tsp_group, getattr(self, "_aux_loss_coef", 0.0))
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None) -> Any:

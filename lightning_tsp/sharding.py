@@ -157,7 +157,28 @@ def distribute_parameters(module: TSPLlama, tsp_mesh: "DeviceMesh") -> dict[nn.P
 # ---- the batch -------------------------------------------------------------------------------------------------
 
 
-def shard_global_batch(batch: Any, tsp: TSPGroup) -> dict[str, Tensor]:
+def aux_loss_coef(cfg) -> float:
+    """The load-balancing loss coefficient a model config trains with (0 without experts)."""
+    return float(cfg.router_aux_loss_coef) if cfg.num_experts else 0.0
+
+
+def models_aux_loss_coef(found: list) -> float:
+    """The largest load-balancing coefficient of the ``(name, TSPLlama)`` models a strategy sharded."""
+    return max((aux_loss_coef(m.cfg) for _, m in found), default=0.0)
+
+
+def refuse_padding_with_aux_loss(mask: Tensor, aux_loss_coef: float) -> None:
+    """A TSPConfigError when a right-padding ``mask`` [B, S] (bool) pads a model with a load-balancing loss: TSP's
+    router statistics count every token, Hugging Face's leave padding out, so the two would differ silently."""
+    if aux_loss_coef and not bool(mask.all()):
+        raise TSPConfigError(
+            f"attention_mask with padding and router_aux_loss_coef={aux_loss_coef}: the TSP load-balancing loss "
+            "counts every token (Hugging Face leaves padding out). Pack documents into full sequences "
+            "(position_ids) or use equal-length sequences, or set router_aux_loss_coef=0."
+        )
+
+
+def shard_global_batch(batch: Any, tsp: TSPGroup, aux_loss_coef: float = 0.0) -> dict[str, Tensor]:
     """Global batch -> this rank's ``{"input_ids", "targets", "position_ids"}`` (zigzag, targets shifted).
 
     ``batch`` is a mapping with ``input_ids`` [B, S] and optionally ``labels`` [B, S] (Hugging Face convention:
@@ -165,7 +186,8 @@ def shard_global_batch(batch: Any, tsp: TSPGroup) -> dict[str, Tensor]:
     positions get no loss) and ``position_ids`` [B, S] (packed documents, Hugging Face's convention: 0, 1, 2,
     ... inside each document, 0 starts a document). With ``position_ids`` the targets are shifted per document
     and the returned ``position_ids`` are their zigzag slice [B, S/D] (otherwise the global positions [S/D]).
-    No collective.
+    ``aux_loss_coef``: the model's MoE load-balancing coefficient (padding is refused where it is not 0, see
+    :func:`refuse_padding_with_aux_loss`). No collective.
     """
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise TSPConfigError(
@@ -198,6 +220,7 @@ def shard_global_batch(batch: Any, tsp: TSPGroup) -> dict[str, Tensor]:
                 "batch['attention_mask'] has padding before real tokens (left padding or holes); TSP supports right "
                 "padding only (padded positions then never influence real tokens)"
             )
+        refuse_padding_with_aux_loss(mask, aux_loss_coef)
         labels = (input_ids if labels is None else labels).masked_fill(~mask, IGNORE_INDEX)
     position_ids = batch.get("position_ids")
     if position_ids is not None and (not isinstance(position_ids, Tensor) or position_ids.shape != input_ids.shape

@@ -254,6 +254,7 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._replicas = {}
+        self._aux_loss_coef = sharding.models_aux_loss_coef(found)
         for _, module in found:
             self._replicas.update(sharding.distribute_parameters(module, self.device_mesh[TSP_DIM]))
         self._averager = sharding.GradientAverager(self.dp_group, self.data_parallel_size, self._grad_bucket_bytes)
@@ -271,7 +272,7 @@ class TSPStrategy(TSPMeshMixin, ModelParallelStrategy):
     def shard_batch(self, batch: Any) -> dict[str, Tensor]:
         """Global batch -> this rank's ``{"input_ids", "targets", "position_ids"}`` (zigzag, targets shifted);
         see :func:`lightning_tsp.sharding.shard_global_batch`. No collective."""
-        return sharding.shard_global_batch(batch, self.tsp_group)
+        return sharding.shard_global_batch(batch, self.tsp_group, getattr(self, "_aux_loss_coef", 0.0))
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

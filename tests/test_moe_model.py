@@ -243,3 +243,26 @@ def test_hugging_face_moe_settings_refused():
     mask[1, -2:] = 0
     with pytest.raises(TSPConfigError, match="attention_mask with padding and router_aux_loss_coef=0.05"):
         model(input_ids=ids, labels=labels, attention_mask=mask)
+
+
+def test_strategies_refuse_padding_with_a_load_balancing_loss():
+    """The Trainer's and Fabric's batch sharding (shard_global_batch) refuse right padding for a model with a
+    load-balancing loss, as TSPCausalLM does (TSP's router statistics would count the padded tokens that Hugging
+    Face leaves out); without padding, or without the loss, the batch shards."""
+    from lightning_tsp.sharding import models_aux_loss_coef, shard_global_batch
+
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    moe = TSPLlama(dataclasses.replace(builtin_configs()["qwen3-top1"], router_aux_loss_coef=0.05),
+                   dtype=torch.float64)
+    dense = TSPLlama(ModelConfig(vocab_size=VOCAB, hidden_size=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                 intermediate_size=48), dtype=torch.float64)
+    coef = models_aux_loss_coef([("dense", dense), ("moe", moe)])
+    assert coef == 0.05 and models_aux_loss_coef([("dense", dense)]) == 0.0
+    with pytest.raises(TSPConfigError, match="attention_mask with padding and router_aux_loss_coef=0.05"):
+        shard_global_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, TSPGroup.single(), coef)
+    shard_global_batch({"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)},
+                       TSPGroup.single(), coef)
+    out = shard_global_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, TSPGroup.single(), 0.0)
+    assert bool((out["targets"][1, -2:] == -100).all())

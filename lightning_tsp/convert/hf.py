@@ -32,6 +32,7 @@ from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers.rope import validate_rope_scaling
 from lightning_tsp.models.llama import CheckpointingMode, ModelConfig, TSPLlama
 from lightning_tsp.schedules.comm import local_tensor
+from lightning_tsp.sharding import aux_loss_coef, refuse_padding_with_aux_loss
 from lightning_tsp.zigzag import IGNORE_INDEX
 
 __all__ = [
@@ -327,13 +328,7 @@ class TSPCausalLM(TSPLlama):
                 mask = attention_mask.bool()
                 if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
                     raise TSPConfigError("attention_mask has padding before real tokens: right padding only")
-                if self.cfg.num_experts and self.cfg.router_aux_loss_coef and not bool(mask.all()):
-                    raise TSPConfigError(
-                        "attention_mask with padding and router_aux_loss_coef="
-                        f"{self.cfg.router_aux_loss_coef}: the TSP load-balancing loss counts every token (Hugging "
-                        "Face leaves padding out). Pack documents into full sequences (position_ids) or use "
-                        "equal-length sequences, or set router_aux_loss_coef=0."
-                    )
+                refuse_padding_with_aux_loss(mask, aux_loss_coef(self.cfg))
                 labels = labels.masked_fill(~mask, IGNORE_INDEX)
             self._check_runtime(input_ids.shape[1])
             # position_ids [B, S] (packed documents) are validated there: targets shifted per document, local
