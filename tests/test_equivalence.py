@@ -221,3 +221,20 @@ def _fp32_worker(rank: int, world_size: int) -> None:
     assert_close("fp32 loss", loss, ref_loss, 1e-5)
     for name in ref_grads:
         assert_close(f"fp32 grad {name}", grads[name], ref_grads[name], 1e-5)
+
+
+def _uninitialised_worker(rank: int, world_size: int) -> None:
+    # every torch.empty is filled with NaN: a buffer a schedule leaves partly unwritten (the MLP ring's backward
+    # partials are uninitialised, its GEMMs write them whole) turns the loss or a gradient into NaN
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        check_case(shapes_for(world_size, True), "full")
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_no_schedule_reads_uninitialised_memory(world_size):
+    run_distributed(_uninitialised_worker, world_size, timeout=280.0)

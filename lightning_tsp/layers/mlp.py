@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.fused import fused_on_cuda, rows
-from lightning_tsp.kernels.gemm import add_matmul_
+from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
 from lightning_tsp.schedules.comm import local_tensor, pack, unpack
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
@@ -66,7 +66,7 @@ class RingMLP(torch.autograd.Function):
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
         local = pack([w_gate, w_up, w_down], x.dtype)
-        ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype)
+        ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype, overwrite=True)
         for s, buf, acc in ring:
             w_gu = buf[: 2 * f * h].view(2 * f, h)
             wd = unpack(buf, shapes)[2]
@@ -74,8 +74,8 @@ class RingMLP(torch.autograd.Function):
             d_gu, hid = swiglu_backward(gu, dy2 @ wd)
             add_matmul_(dx, d_gu, w_gu)  # one GEMM for both input gradients
             acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
-            add_matmul_(acc_gu, d_gu.T, x2)
-            add_matmul_(acc_d, dy2.T, hid)
+            matmul_into(acc_gu, d_gu.T, x2)  # the two GEMMs write the whole fresh partial (no zero fill)
+            matmul_into(acc_d, dy2.T, hid)
         d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
         return (dx.view(b, l, h).to(x.dtype), *d_w, None)
 

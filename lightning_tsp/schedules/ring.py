@@ -47,8 +47,9 @@ class RingGradPass:
     """Backward ring with a travelling fp32 gradient accumulator.
 
     Iterate to get ``(s, shard_s, part)``; add this rank's partial gradient of shard s into ``part`` (zeros) in
-    place. After the loop ``grad`` holds the complete gradient of this rank's own shard. ``local=None`` moves only
-    the accumulator (for ops whose backward needs no weights, e.g. the embedding).
+    place, or, with ``overwrite=True``, write every element of ``part`` (uninitialised: no zero fill, e.g. GEMMs
+    that write their product). After the loop ``grad`` holds the complete gradient of this rank's own shard.
+    ``local=None`` moves only the accumulator (for ops whose backward needs no weights, e.g. the embedding).
 
     Order on every rank (the same sequence of sends/recvs everywhere), step t on shard s = r-1-t: issue weight hop
     t+1 | yield: the caller issues step t's GEMMs into ``part`` | wait accumulator hop t-1 (issued after step t-1,
@@ -63,15 +64,17 @@ class RingGradPass:
     D-1 weight hops and D-1 accumulator hops per rank.
     """
 
-    def __init__(self, tsp: TSPGroup, local: Tensor | None, grad_numel: int, device, grad_dtype=torch.float32):
+    def __init__(self, tsp: TSPGroup, local: Tensor | None, grad_numel: int, device, grad_dtype=torch.float32,
+                 overwrite: bool = False):
         self.tsp, self.local = tsp, local
         self.grad_numel, self.device, self.grad_dtype = grad_numel, device, grad_dtype
+        self.new_part = torch.empty if overwrite else torch.zeros
         self.grad: Tensor | None = None
 
     def __iter__(self) -> Iterator[tuple[int, Tensor | None, Tensor]]:
         d, r = self.tsp.size, self.tsp.rank
         if d == 1:
-            self.grad = torch.zeros(self.grad_numel, device=self.device, dtype=self.grad_dtype)
+            self.grad = self.new_part(self.grad_numel, device=self.device, dtype=self.grad_dtype)
             yield 0, self.local, self.grad
             return
         # Step t works on shard r-1-t, so the weights need one hop before the first step.
@@ -80,7 +83,7 @@ class RingGradPass:
         for t in range(d):
             # The last step (t = D-1) is the own shard: no weights need to arrive for it.
             nxt = _Shift(self.tsp, cur) if cur is not None and t + 2 < d else None
-            part = torch.zeros(self.grad_numel, device=self.device, dtype=self.grad_dtype)
+            part = self.new_part(self.grad_numel, device=self.device, dtype=self.grad_dtype)
             yield (r - 1 - t) % d, cur, part
             acc = part if incoming is None else incoming.result().add_(part)  # the first step starts the sum
             if t + 1 < d:
