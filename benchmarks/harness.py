@@ -57,7 +57,7 @@ ANCHORS = {
 # every option that defines one configuration (forwarded to subprocesses and printed in each row's command)
 CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "world", "tp", "sp", "rank",
                "micro_batch", "precision", "checkpointing", "optimizer", "rmsnorm", "sdpa_backend", "attention_kernel",
-               "fsdp_precision", "kv_bucket_heads", "shard_group", "cuda_graphs", "compile", "compile_backend", "compile_scope", "profile", "steps",
+               "fsdp_precision", "kv_bucket_heads", "shard_group", "mlp_activations", "cuda_graphs", "compile", "compile_backend", "compile_scope", "profile", "steps",
                "warmup", "device")
 
 
@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="selective, offload, full-offload: TSP only (keep attention and re-run norm + MLP ring; "
                          "keep-attention's / full's kept tensors in pinned host memory)")
     ap.add_argument("--kv-bucket-heads", type=int, help="TSP: KV heads gathered at once (head bucketing)")
+    ap.add_argument("--mlp-activations", choices=("keep", "recompute"), default="keep",
+                    help="TSP: the MLP ring keeps its gate/up pre-activations for backward or recomputes them")
     ap.add_argument("--shard-group", type=_shard_group, default="auto",
                     help="TSP: owners per broadcast-schedule step (a divisor of --world, or auto)")
     ap.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach",
@@ -177,6 +179,10 @@ def model_config(args):
     over = {k: v for k, v in (("n_layers", args.layers), ("hidden_size", args.hidden), ("n_heads", args.heads),
                               ("n_kv_heads", args.kv_heads), ("intermediate_size", args.ffn),
                               ("vocab_size", args.vocab)) if v is not None}
+    if args.mlp_activations != "keep":
+        if args.strategy != "tsp":
+            raise SystemExit(f"--mlp-activations {args.mlp_activations}: TSP's MLP ring option (strategy tsp)")
+        over["mlp_activations"] = args.mlp_activations
     if "n_heads" in over and "n_kv_heads" not in over:
         over["n_kv_heads"] = over["n_heads"]
     return get_config(args.model, **over)
@@ -344,6 +350,7 @@ def base_row(args, cfg) -> dict:
         "vocab": cfg.vocab_size, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "world": args.world,
         "tp": args.tp, "sp": args.sp, "rank": args.rank, "precision": args.precision,
         "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads,
+        "mlp_activations": args.mlp_activations if tsp else None,
         "shard_group": args.shard_group, "cuda_graphs": args.cuda_graphs if tsp else None,
         "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
@@ -373,7 +380,7 @@ def predicted_comm(row: dict) -> dict:
     from lightning_tsp.planning.strategies import _comm_time
 
     shape = ModelShape(row["vocab"], row["hidden"], row["layers"], row["heads"], row["kv_heads"], row["ffn"],
-                       name=row["model"])
+                       name=row["model"], mlp_activations=row.get("mlp_activations") or "keep")
     hw, prec = get_hardware(row["hardware"]), get_precision(row["precision"])
     s, w, gpn = row["strategy"], row["world"], max(row["gpus_per_node"], 1)
     B, S, mode = row["micro_batch"], row["seq_len"], row["checkpointing"]

@@ -347,6 +347,15 @@ def _shards_worker(rank: int, world_size: int, path: str) -> None:
     grads = full_grads(model)
     for name, p in hf.named_parameters():
         assert_close(f"rank {rank} grad {name} vs HF", grads[name], p.grad, HF_RTOL)
+    # the MLP ring recomputing its pre-activations: the same function through the same entry point
+    lean = TSPCausalLM.from_pretrained(path, tsp, dtype=torch.float64, mlp_activations="recompute")
+    assert lean.cfg.mlp_activations == "recompute" and lean.model.layers[0].mlp.recompute
+    loss = lean(**dict(zip(("input_ids", "targets", "position_ids"), lean.shard_batch(ids, labels)))).loss
+    loss.backward()
+    assert_close(f"rank {rank} recompute loss vs HF", loss.detach(), want.loss.detach(), HF_RTOL)
+    grads = full_grads(lean)
+    for name, p in hf.named_parameters():
+        assert_close(f"rank {rank} recompute grad {name} vs HF", grads[name], p.grad, HF_RTOL)
 
     # the strategy path: a meta Hugging Face model built from the directory's config converts on meta, remembers
     # the directory, and the shards TSPStrategy builds from it load their slices in init_weights()

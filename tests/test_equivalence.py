@@ -73,9 +73,9 @@ def run_and_capture(model: TSPLlama, ids, labels):
 
 def check_case(cfg: ModelConfig, checkpointing: str, rtol: float = 1e-10, b: int = B, **model_kwargs) -> None:
     tag = (f"D={world_tsp().size} heads={cfg.n_heads}/{cfg.n_kv_heads} tie={cfg.tie_embeddings} ckpt={checkpointing} "
-           f"B={b}")
+           f"B={b} mlp={cfg.mlp_activations}")
     ids, labels = batch(cfg, b, S)
-    ref = TSPLlama(cfg, None, dtype=torch.float64)
+    ref = TSPLlama(dataclasses.replace(cfg, mlp_activations="keep"), None, dtype=torch.float64)  # the plain model
     randomize_biases_and_norms(ref)
     model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float64, **model_kwargs)
     model.load_full_state_dict(ref.state_dict())
@@ -140,6 +140,10 @@ def _worker(rank: int, world_size: int) -> None:
     check_case(shapes_for(world_size, True), "offload", b=1)
     check_case(shapes_for(world_size, True), "keep-attention")  # the same replay, the stash left on the device
     check_case(shapes_for(world_size, True), "full-offload")  # the layer input only in host memory, full's re-run
+    # the MLP ring keeping no activations (its gate/up GEMMs re-run in backward, the output summed per shard)
+    lean = dataclasses.replace(shapes_for(world_size, True), mlp_activations="recompute")
+    check_case(lean, "none")
+    check_case(lean, "full-offload", b=1)
     # head bucketing: the 2 local KV heads gathered one at a time
     bucketed = dataclasses.replace(shapes_for(world_size, True), n_heads=4 * world_size, n_kv_heads=2 * world_size,
                                    hidden_size=32 * world_size)

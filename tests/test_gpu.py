@@ -147,6 +147,14 @@ def test_offload_checkpointing_equals_full_on_gpu(compiled_pieces):
             assert rel_err(g_off[n], g_full[n]) < 1e-5, n
 
 
+def test_mlp_recompute_bf16_autocast_matches_fp64_cpu_reference(compiled_pieces):
+    """mlp_activations="recompute" (the ring's fp32 output summed shard by shard, the gate/up GEMMs re-run in
+    backward) under bf16 autocast on the GPU against the fp64 CPU model, as every kernel is checked."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=1024,
+                      mlp_activations="recompute")
+    check_bf16_autocast_against_fp64(cfg, lambda n: 5e-2)
+
+
 def test_flex_document_kernel_matches_cpu_math():
     """flex-doc (compiled flex_attention, bf16) on one call with packed documents against the fp64 CPU math:
     random documents spanning the prefix and the own chunk, documents starting inside the own chunk (their

@@ -466,3 +466,28 @@ def test_plan_says_what_a_context_needs(capsys):
     needs = out[out.index("what this context needs on TSP D=8"):].splitlines()
     assert "nothing fits" in needs[2] and "over the host memory limit" in needs[2]
     assert "NOTHING FITS" in out and "what this context needs" in out[: out.index("checkpointing modes for")]
+
+
+def test_mlp_recompute_trades_the_kept_pre_activations_for_a_gemm():
+    """TSP's MLP ring with mlp_activations="recompute": every layer's working set loses the kept gate/up
+    pre-activations of all shards ([T/D, 2F] in the compute dtype) but one shard's gate/up and gradient; backward
+    re-runs the gate/up GEMMs (2 T h 2F FLOPs per dense layer, over D ranks). Other strategies ignore it."""
+    from dataclasses import replace
+
+    layout, true = Layout("tsp", 8, 8, tsp=8), get_precision("bf16-true")
+    lean = replace(P7, mlp_activations="recompute")
+    S, T = 4 * 2**20, 4 * 2**20 // 8
+    keep_mem = memory_breakdown(P7, layout, true, 1, S, "full-offload")
+    lean_mem = memory_breakdown(lean, layout, true, 1, S, "full-offload")
+    assert keep_mem["layer_working"] - lean_mem["layer_working"] == (2 - 4 / 8) * P7.intermediate_size * 2 * T
+    assert lean_mem["activations"] == keep_mem["activations"] == 0
+    none_keep = memory_breakdown(P7, layout, true, 1, 16384, "none")["activations"]
+    none_lean = memory_breakdown(lean, layout, true, 1, 16384, "none")["activations"]
+    assert none_keep - none_lean == 32 * (2 - 4 / 8) * P7.intermediate_size * 2 * 16384 / 8
+    e_keep = estimate(P7, layout, H200, true, 1, S, "full-offload")
+    e_lean = estimate(lean, layout, H200, true, 1, S, "full-offload")
+    extra = 2 * S * P7.hidden_size * 2 * P7.intermediate_size * P7.n_layers / 8
+    assert e_lean.flops["hardware"] - e_keep.flops["hardware"] == pytest.approx(extra)
+    assert e_lean.flops["model"] == e_keep.flops["model"]
+    tp = Layout("tp_sp", 8, 8, tp=8)
+    assert memory_breakdown(lean, tp, true, 1, S, "full")["peak"] == memory_breakdown(P7, tp, true, 1, S, "full")["peak"]

@@ -16,6 +16,7 @@ rank ever holds the full model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -261,11 +262,13 @@ class TSPCausalLM(TSPLlama):
         activation_checkpointing: CheckpointingMode = "none",
         token_chunk: int = 4096,
         cuda_graphs: bool | str = False,
+        mlp_activations: str = "keep",
     ) -> "TSPCausalLM":
         """Build from a LOCAL Hugging Face directory (config.json + *.safetensors), reading only this rank's slices.
 
         ``tsp=None`` gives the unsharded model (all slices are the full tensors). ``dtype`` defaults to
         ``torch.get_default_dtype()`` (the checkpoint's tensors are cast on load); ``device`` to CPU.
+        ``mlp_activations``: :attr:`ModelConfig.mlp_activations` ("recompute" at the longest contexts).
         """
         from transformers import AutoConfig
 
@@ -275,6 +278,8 @@ class TSPCausalLM(TSPLlama):
                                  f"directory written by save_pretrained (nothing is downloaded)")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         cfg = model_config_from_hf(hf_config, pretrained_path=path)
+        if mlp_activations != cfg.mlp_activations:
+            cfg = dataclasses.replace(cfg, mlp_activations=mlp_activations)  # validated again
         model = cls(cfg, tsp, attention_kernel=attention_kernel, activation_checkpointing=activation_checkpointing,
                     token_chunk=token_chunk, cuda_graphs=cuda_graphs, device="meta", dtype=dtype)
         model.to_empty(device=device if device is not None else "cpu")

@@ -4,6 +4,13 @@ Rank j owns rows j of gate/up (intermediate dim) and the matching columns of dow
 around the ring; at each step a rank adds silu(x Wg_s^T) * (x Wu_s^T) Wd_s^T for the shard s it holds. Exact
 because SwiGLU is elementwise along the intermediate dim. No all-reduce. Backward: the ring runs again with the
 fp32 weight-gradient accumulator travelling with the shard (see :class:`RingGradPass`).
+
+Activations (``activations``): ``"keep"`` saves every shard's gate/up pre-activations ([B*L, 2F] in all) for
+backward and forms the output in one down-projection GEMM over the whole intermediate dim ([B*L, F] of
+activations for it); ``"recompute"`` saves nothing but the input: the forward adds each shard's down projection
+into an fp32 output as the shard passes ([B*L, h] fp32), and backward re-runs each shard's gate/up GEMM when the
+shard comes round again (one more [B*L, h] x [h, 2F/D] GEMM per shard). At long contexts the kept pre-activations
+and the activation buffer are the largest tensors of a layer (4x and 2x the layer input per token for F = 4h).
 """
 
 from __future__ import annotations
@@ -31,13 +38,27 @@ def swiglu_backward(gu: Tensor, d_hid: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([d_gate, d_hid * act], dim=1), act * up
 
 
+MLP_ACTIVATIONS = ("keep", "recompute")
+
+
 class RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup):
+    def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup, recompute: bool = False):
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
         f = w_gate.shape[0]  # F/D
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
+        ctx.tsp, ctx.shapes, ctx.recompute = tsp, shapes, recompute
+        if recompute:
+            # each shard's down projection added into one fp32 output as the shard passes; nothing kept per shard
+            y = torch.empty(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+            for t, (_, buf) in enumerate(ring_shards(tsp, pack([w_gate, w_up, w_down], x.dtype))):
+                gu = x2 @ buf[: 2 * f * h].view(2 * f, h).T
+                act = F.silu(gu[:, :f]) * gu[:, f:]
+                (matmul_into if t == 0 else add_matmul_)(y, act, unpack(buf, shapes)[2].T)
+                del gu, act
+            ctx.save_for_backward(x, w_gate, w_up, w_down)
+            return y.to(x.dtype).view(b, l, h)
         # each shard's activations and down-projection columns land in one [B*L, F] / [h, F] pair: the outputs
         # accumulate in ONE down-projection GEMM at the end (full K, fp32 inside the GEMM), not D thin ones
         act_all = x.new_empty(b * l, tsp.size * f)
@@ -52,7 +73,6 @@ class RingMLP(torch.autograd.Function):
             saved[s] = gu
         y = act_all @ wd_all.T
         del act_all, wd_all
-        ctx.tsp, ctx.shapes = tsp, shapes
         ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
         return y.view(b, l, h)
 
@@ -70,14 +90,14 @@ class RingMLP(torch.autograd.Function):
         for s, buf, acc in ring:
             w_gu = buf[: 2 * f * h].view(2 * f, h)
             wd = unpack(buf, shapes)[2]
-            gu = saved[s]
+            gu = x2 @ w_gu.T if ctx.recompute else saved[s]
             d_gu, hid = swiglu_backward(gu, dy2 @ wd)
             add_matmul_(dx, d_gu, w_gu)  # one GEMM for both input gradients
             acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
             matmul_into(acc_gu, d_gu.T, x2)  # the two GEMMs write the whole fresh partial (no zero fill)
             matmul_into(acc_d, dy2.T, hid)
         d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
-        return (dx.view(b, l, h).to(x.dtype), *d_w, None)
+        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None)
 
 
 class TSPGatedMLP(nn.Module):
@@ -85,9 +105,12 @@ class TSPGatedMLP(nn.Module):
 
     tsp_shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tsp: TSPGroup, device=None, dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, tsp: TSPGroup, device=None, dtype=None,
+                 activations: str = "keep"):
         super().__init__()
-        self.tsp = tsp
+        if activations not in MLP_ACTIVATIONS:
+            raise ValueError(f"activations={activations!r}; choose one of {MLP_ACTIVATIONS}")
+        self.tsp, self.recompute = tsp, activations == "recompute"
         f = intermediate_size // tsp.size
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, f, **kw)
@@ -98,4 +121,4 @@ class TSPGatedMLP(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
             w = [local_tensor(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
-            return RingMLP.apply(x.to(dtype), *w, self.tsp)
+            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute)

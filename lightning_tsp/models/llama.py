@@ -21,6 +21,7 @@ from lightning_tsp.checks import TSPConfigError, check_model_shape
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMHead, TSPRMSNorm
 from lightning_tsp.layers.attention import Documents
+from lightning_tsp.layers.mlp import MLP_ACTIVATIONS
 from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_loss
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
 from lightning_tsp.graphs import GRAPHED_CHECKPOINTING, GRAPHED_MAX_TOKENS, LayerGraphs
@@ -58,6 +59,10 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
     dense_layers: list[int] = field(default_factory=list)  # layers keeping the dense MLP (Qwen3-MoE mlp_only_layers)
     expert_schedule: str = "auto"  # "ring" | "dispatch" | "auto" (the cost model, per layer call): same function
+    # the dense MLP ring's activations: "keep" saves the gate/up pre-activations of every shard for backward;
+    # "recompute" saves none (backward re-runs each shard's gate/up GEMM) and sums the output shard by shard: the
+    # longest contexts (lightning_tsp.layers.mlp). The same function.
+    mlp_activations: str = "keep"
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -67,6 +72,8 @@ class ModelConfig:
                 )
             self.head_dim = self.hidden_size // self.n_heads
         self.rope_scaling = validate_rope_scaling(self.rope_scaling, self.head_dim, theta=self.rope_theta)
+        if self.mlp_activations not in MLP_ACTIVATIONS:
+            raise TSPConfigError(f"mlp_activations={self.mlp_activations!r}; choose one of {MLP_ACTIVATIONS}")
         self.dense_layers = sorted(int(i) for i in self.dense_layers)  # a list: the config round-trips through JSON
         if self.num_experts:
             if self.moe_intermediate_size is None:
@@ -164,7 +171,7 @@ class TSPDecoderLayer(nn.Module):
                               shared_intermediate_size=cfg.shared_expert_intermediate_size,
                               schedule=cfg.expert_schedule, **kw)
         else:
-            self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, **kw)
+            self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, activations=cfg.mlp_activations, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None,
                 checkpoint_mlp: bool = False) -> tuple[Tensor, Tensor | None]:

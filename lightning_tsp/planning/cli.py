@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Sequence
 
 from .collectives import CHECKPOINTING
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16-mixed", choices=tuple(PRECISIONS), help="default bf16-mixed")
     p.add_argument("--tsp-degree", type=int, default=None, metavar="D",
                    help="only consider this TSP degree (checked strictly: divides gpus and heads, 2*D divides seq)")
+    p.add_argument("--mlp-activations", choices=("keep", "recompute"), default="keep",
+                   help="TSP's MLP ring: keep the gate/up pre-activations for backward (default) or recompute them "
+                        "there (less memory at long contexts, one more GEMM per shard)")
     p.add_argument("--host-memory", type=float, default=256.0, metavar="GB",
                    help="pinned host memory an offloading mode may use per GPU, in GB (default 256: a DGX H200's "
                         "2 TB over 8 GPUs)")
@@ -174,17 +178,27 @@ def needs_lines(rec: Estimate, host_limit_gb: float) -> list[str]:
     """What the sequence length needs on the recommended layout: under the requested precision and, from
     ``bf16-mixed``, under ``bf16-true`` (bf16 weights, states and residual stream: the layer inputs half as large),
     every checkpointing mode that fits the GPU (``headroom``) and ``host_limit_gb`` of pinned host memory per GPU,
-    fastest first (then the smaller GPU and host footprint); when none does, the smallest GPU footprint and why it does not fit."""
+    fastest first (then the smaller GPU and host footprint); where no mode fits, TSP's modes again with the MLP
+    ring recomputing its pre-activations (``mlp_activations="recompute"``); when still none does, the smallest GPU
+    footprint and why it does not fit."""
     precisions = [rec.precision] + ([get_precision("bf16-true")] if rec.precision.name == "bf16-mixed" else [])
+    shapes = [rec.shape]
+    if (rec.layout.strategy == "tsp" and rec.shape.mlp_activations == "keep"
+            and rec.shape.n_moe_layers < rec.shape.n_layers):
+        shapes.append(replace(rec.shape, mlp_activations="recompute"))
     lines = [f"what this context needs on {rec.layout.label} {rec.layout.degrees} (<= {rec.headroom:.0%} of "
              f"{rec.hardware.hbm_bytes / GiB:.0f} GiB per GPU, <= {host_limit_gb:.0f} GB pinned host memory per GPU):"]
     for prec in precisions:
-        found = []
-        for mode in CHECKPOINTING:
-            e = estimate(rec.shape, rec.layout, rec.hardware, prec, rec.micro_batch, rec.seq_len, mode,
-                         headroom=rec.headroom)
-            host = host_bytes(rec.shape, rec.layout, prec, rec.micro_batch, rec.seq_len, mode)
-            found.append((e, mode, host, e.fits and host <= host_limit_gb * 1e9))
+        for shape in shapes:
+            found = []
+            for mode in CHECKPOINTING:
+                e = estimate(shape, rec.layout, rec.hardware, prec, rec.micro_batch, rec.seq_len, mode,
+                             headroom=rec.headroom)
+                host = host_bytes(shape, rec.layout, prec, rec.micro_batch, rec.seq_len, mode)
+                label = mode + (" + mlp_activations=recompute" if shape is not rec.shape else "")
+                found.append((e, label, host, e.fits and host <= host_limit_gb * 1e9))
+            if any(f[3] for f in found):
+                break
         ok = sorted((f for f in found if f[3]), key=lambda f: (round(f[0].step_fitted_s, 3), f[0].peak_bytes, f[2]))
         if ok:
             text = "; ".join(f"{mode} ({e.peak_bytes / GiB:.1f} GiB"
@@ -212,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("error: --plot needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
             return 1
     try:
-        shape = get_model_shape(args.model)
+        shape = replace(get_model_shape(args.model), mlp_activations=args.mlp_activations)
         hw = get_hardware(args.gpu)
         prec = get_precision(args.precision)
         if not 0 < args.headroom <= 1:

@@ -43,6 +43,9 @@ class ModelShape:
     moe_intermediate_size: int | None = None  # F_e, each expert's SwiGLU width (default intermediate_size)
     shared_expert_intermediate_size: int = 0  # F_s, the shared expert's width (0: none)
     n_dense_layers: int = 0  # layers of an MoE model that keep the dense MLP
+    # TSP's dense MLP ring: "keep" its gate/up pre-activations for backward, or "recompute" them there
+    # (ModelConfig.mlp_activations; other strategies ignore it)
+    mlp_activations: str = "keep"
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size"):
@@ -64,6 +67,8 @@ class ModelShape:
         elif self.experts_per_token or self.shared_expert_intermediate_size or self.n_dense_layers:
             raise ValueError("experts_per_token, shared_expert_intermediate_size and n_dense_layers need "
                              "num_experts > 0")
+        if self.mlp_activations not in ("keep", "recompute"):
+            raise ValueError(f"mlp_activations={self.mlp_activations!r}: choose 'keep' or 'recompute'")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads} (GQA needs that)"

@@ -380,7 +380,13 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     for n, moe in shape.layer_kinds():
         width = shape.experts_per_token * shape.expert_intermediate_size + shape.shared_expert_intermediate_size
         kw["F_loc"] = (width if moe else F) // split
-        kinds.append((n, *_layer_activations(shape, p, checkpointing, **kw)))
+        full, saved = _layer_activations(shape, p, checkpointing, **kw)
+        if s == "tsp" and not moe and shape.mlp_activations == "recompute":
+            # the ring keeps no pre-activations: one shard's gate/up and their gradient [T, 2F/D] each at a time
+            # instead of every shard's gate/up [T, 2F]; a layer that saves its activations saves that much less
+            less = (2 - 4 / layout.tsp) * F * a * kw["T_tok"]
+            full, saved = full - less, saved - (less if checkpointing == "none" else 0)
+        kinds.append((n, full, saved))
     final_hidden = kw["T_res"] * h * p.residual
     mem["activations"] = sum(n * saved for n, _, saved in kinds)
     mem["layer_working"] = max(full - saved for _, full, saved in kinds) + layer_transient
@@ -559,6 +565,9 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
     mem = memory_breakdown(shape, layout, p, B, S, checkpointing, schedule)
     comm = communication(shape, layout, p, B, S, checkpointing, schedule or "ring")
     tf = training_flops(shape, B, S, checkpointing)
+    if layout.strategy == "tsp" and shape.mlp_activations == "recompute":  # backward re-runs the gate/up GEMMs
+        extra = 2 * B * S * shape.hidden_size * 2 * shape.intermediate_size * (shape.n_layers - shape.n_moe_layers)
+        tf = {**tf, "hardware": tf["hardware"] + extra, "hardware_matmul": tf["hardware_matmul"] + extra}
     mp = layout.model_parallel
     flops = {k: tf[k] / mp for k in ("model", "hardware", "hardware_matmul", "hardware_attention")}
     slow = 1 if p.compute == 2 else 2  # fp32 compute: assume TF32 tensor cores at half the bf16 rate
