@@ -88,6 +88,10 @@ def test_paper_recipe_settings():
     long = print_config("--config", str(ROOT / "recipes" / "paper-7b-2m.yaml"))
     assert long["model"]["init_args"]["activation_checkpointing"] == "offload"
     assert long["model"]["init_args"]["kv_bucket_heads"] == 1 and long["data"]["init_args"]["seq_len"] == 2097152
+    four = print_config("--config", str(ROOT / "recipes" / "paper-7b-4m.yaml"))
+    assert four["trainer"]["precision"] == "bf16-true" and four["data"]["init_args"]["seq_len"] == 4194304
+    assert four["model"]["init_args"]["activation_checkpointing"] == "full-offload"
+    assert four["model"]["init_args"]["overrides"] == {"mlp_activations": "recompute"}
 
 
 def test_strategy_string_is_expanded(tmp_path):
