@@ -131,7 +131,8 @@ def _breakdown(e: Estimate) -> str:
     parts = ("weights", "compute_copy", "grads", "optimizer", "activations", "layer_working", "head_working",
              "transient_buffers")
     lines.append("  memory GiB: " + ", ".join(f"{k} {m[k] / GiB:.2f}" for k in parts)
-                 + f"; train peak = states + activations + max(layer_working, head_working) = "
+                 + f"; train peak = weights + compute_copy + optimizer + max(activations + max(layer_working, "
+                   f"head_working), grads + layer_working) = "
                    f"{m['train_peak'] / GiB:.2f}; optimizer-step peak {m['optimizer_step_peak'] / GiB:.2f}")
     for ph in ("forward", "backward"):
         per = e.comm_bytes(per_layer=True, phase=ph)
