@@ -16,8 +16,14 @@ from lightning_tsp.group import TSPGroup
 
 
 def pack(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """Flatten ``tensors`` into one contiguous 1-D buffer of ``dtype`` (one message per shard)."""
-    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    """Flatten ``tensors`` into one contiguous 1-D buffer of ``dtype`` (one message per shard): each is cast
+    straight into its slice (one pass over the weights, no cast temporaries and no concatenation)."""
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    offset = 0
+    for t in tensors:
+        out[offset : offset + t.numel()].view(t.shape).copy_(t)
+        offset += t.numel()
+    return out
 
 
 def unpack(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
