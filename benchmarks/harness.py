@@ -129,6 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hardware", default="h200", help="cost model hardware preset")
     ap.add_argument("--probe-layers", type=int, nargs=2, metavar=("L1", "L2"),
                     help="measure at L1 and L2 layers and extrapolate peak and step linearly to the full count")
+    ap.add_argument("--combine-probes", metavar="JSONL",
+                    help="one row at the preset's layer count from probe rows of one configuration measured apart "
+                         "(--layers L each; separate device calls): peak from the two largest L >= 1, step from "
+                         "the two smallest L measured after a warm-up step (0 layers allowed)")
     ap.add_argument("--sweep", nargs="+", metavar="SPEC",
                     help="STRATEGY[=TxS]:SEQ[,SEQ...] ...  e.g. tp:16384,32768 tp_x_sp=2x4:131072")
     ap.add_argument("--max-context", action="store_true", help="longest sequence within --budget-gb")
@@ -413,6 +417,9 @@ def finalize(row: dict) -> dict:
     from lightning_tsp.planning.flops import training_flops
     from lightning_tsp.planning.model import ModelShape
 
+    if row["layers"] == 0:  # a probe of the layers' base (embedding, LM head, optimizer): no cost model for it
+        row["tokens_per_s_per_gpu"] = None
+        return row
     shape = ModelShape(row["vocab"], row["hidden"], row["layers"], row["heads"], row["kv_heads"], row["ffn"])
     sharing = sharing_a_micro_batch(row)
     model_flops = training_flops(shape, row["micro_batch"], row["seq_len"], row["checkpointing"])["model"]
@@ -544,7 +551,6 @@ def run_child(args, strategy, seq, layers=None, tp=None, sp=None, timeout=None, 
 def extrapolated(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
     """Peak and step at the full layer count, linear in layers from two measured layer counts."""
     l1, l2 = args.probe_layers
-    full = model_config(args).n_layers
     r1 = run_child(args, strategy, seq, l1, tp, sp, timeout)
     if r1["status"] != "ok":
         r1["extrapolated_from"] = f"{l1} (failed)"
@@ -553,27 +559,65 @@ def extrapolated(args, strategy, seq, tp=None, sp=None, timeout=None) -> dict:
     if r2["status"] != "ok":
         r2["extrapolated_from"] = f"{l2} (failed)"
         return r2
-    row = dict(r2)
-    k = (full - l2) / (l2 - l1)
-    row["layers"] = full
-    row["peak_gb"] = None if r2.get("peak_gb") is None else r2["peak_gb"] + k * (r2["peak_gb"] - r1["peak_gb"])
-    if r2.get("host_peak_gb") is not None and r1.get("host_peak_gb") is not None:
-        row["host_peak_gb"] = r2["host_peak_gb"] + k * (r2["host_peak_gb"] - r1["host_peak_gb"])
-    row["step_s"] = r2["step_s"] + k * (r2["step_s"] - r1["step_s"])
-    row["measured"] = {str(l1): [r1.get("peak_gb"), r1["step_s"]], str(l2): [r2.get("peak_gb"), r2["step_s"]]}
-    row["measured_host_peak_gb"] = {str(l1): r1.get("host_peak_gb"), str(l2): r2.get("host_peak_gb")}
-    row["extrapolated"] = True
-    row["extrapolated_from"] = f"{l1},{l2}"
-    # without a warm-up step each probe's timed step includes compiling the fused pieces, from caches that the
-    # first probe warmed for the second: the difference of the two steps is then not one layer's time
-    row["step_s_valid"] = args.warmup > 0
     if args.warmup == 0:
         print("# warning: --probe-layers with --warmup 0: the extrapolated step time includes compilation; "
               "peaks are valid, step times are not (use --warmup 1)", file=sys.stderr)
-    row["command"] = shlex.join(single_command(args, strategy, seq, tp=tp, sp=sp,
-                                               extra=["--probe-layers", str(l1), str(l2)]))
+    command = shlex.join(single_command(args, strategy, seq, tp=tp, sp=sp, extra=["--probe-layers", str(l1), str(l2)]))
+    return combine_probes([r1, r2], model_config(args).n_layers, command)
+
+
+PROBE_CONFIG = ("strategy", "model", "seq_len", "world", "micro_batch", "precision", "checkpointing", "kv_bucket_heads",
+                "mlp_activations", "shard_group", "attention_kernel", "hardware")
+
+
+def combine_probes(rows: list[dict], full: int, command: str | None = None) -> dict:
+    """One configuration's row at ``full`` layers from probes of fewer layers, linear in layers.
+
+    Peak (GPU and pinned host) comes from the two largest probed layer counts >= 1: a layer's working set is in
+    every peak from one layer on, so the difference of two such peaks is what one more layer keeps. Step time comes
+    from the two smallest layer counts whose step followed a warm-up step (``warmup`` >= 1): the difference of two
+    steps is one layer's time (a 0-layer probe is the embedding, LM head, loss and optimizer alone). A step measured
+    without a warm-up includes compiling the fused pieces, so the time pair may differ from the peak pair: at 4M
+    tokens a 2-layer step with its warm-up outlasts one device call. Rows marked ``extrapolated`` are skipped, so a
+    results file holding the probes and their combined row can be given again.
+    """
+    ok = sorted((r for r in rows if r.get("status") == "ok" and not r.get("extrapolated")), key=lambda r: r["layers"])
+    for key in PROBE_CONFIG:
+        if len({json.dumps(r.get(key)) for r in ok}) > 1:
+            raise ValueError(f"combine_probes: the probes differ in {key} ({sorted({str(r.get(key)) for r in ok})}): "
+                             "give the rows of one configuration")
+    if len({r["layers"] for r in ok}) != len(ok):
+        raise ValueError(f"combine_probes: one row per layer count, got layers {[r['layers'] for r in ok]}")
+    mem = [r for r in ok if r["layers"] >= 1][-2:]  # peaks are None on CPU: then so is the extrapolated one
+    timed = [r for r in ok if r.get("warmup", 0) >= 1 and r.get("step_s")][:2]
+    if len(mem) < 2:
+        raise ValueError("combine_probes: need two ok probes of >= 1 layer, got layers "
+                         f"{[r['layers'] for r in ok]}")
+
+    if ok[0].get("checkpointing") in ("offload", "full-offload") and mem[0]["layers"] < 2:
+        print("# warning: offload modes: a 1-layer probe has no host-to-GPU prefetch buffer and every deeper model has "
+              "one, so a peak extrapolated from 1 layer overstates the slope (512K full-offload: +75%); probe 2 and 3 "
+              "layers", file=sys.stderr)
+
+    def line(pair, key):
+        (a, b) = pair
+        if a.get(key) is None or b.get(key) is None:
+            return None
+        return b[key] + (full - b["layers"]) / (b["layers"] - a["layers"]) * (b[key] - a[key])
+
+    ref = dict(mem[-1])  # the configuration: the largest probe's fields
+    step_pair = timed if len(timed) == 2 else mem  # no two warm steps: from the peak pair, marked invalid
+    row = {**ref, "layers": full, "peak_gb": line(mem, "peak_gb"), "host_peak_gb": line(mem, "host_peak_gb"),
+           "step_s": line(step_pair, "step_s"), "step_s_valid": all(r.get("warmup", 0) >= 1 for r in step_pair),
+           "extrapolated": True, "extrapolated_from": f"{mem[0]['layers']},{mem[1]['layers']}",
+           "measured": {str(r["layers"]): [r.get("peak_gb"), r.get("step_s")] for r in ok},
+           "measured_host_peak_gb": {str(r["layers"]): r.get("host_peak_gb") for r in ok},
+           "measured_warmup": {str(r["layers"]): r.get("warmup") for r in ok}}
+    if step_pair is not mem:
+        row["step_extrapolated_from"] = f"{step_pair[0]['layers']},{step_pair[1]['layers']}"
+    row["command"] = command or " ; ".join(r["command"] for r in ok)
     for key in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "pred_step_with_comm_s", "comm_hidden",
-                "anchor_peak_dev", "anchor_step_dev"):
+                "anchor_peak_dev", "anchor_step_dev", "mfu_peak", "mfu_gemm", "model_flops_per_gpu"):
         row.pop(key, None)
     return finalize(row)
 
@@ -714,7 +758,10 @@ def main(argv=None) -> None:
             with open(args.out, "a") as f:
                 f.write("\n" + note + "\n")
         return
-    if args.sweep:
+    if args.combine_probes:
+        probes = [json.loads(line) for line in Path(args.combine_probes).read_text().splitlines() if line.strip()]
+        rows = [combine_probes(probes, model_config(args).n_layers)]
+    elif args.sweep:
         rows = sweep(args)
     elif args.probe_layers:
         rows = [extrapolated(args, args.strategy, args.seq_len, args.tp, args.sp)]

@@ -61,6 +61,44 @@ def test_sweep_subprocess_and_layer_extrapolation(tmp_path):
     assert "--probe-layers 1 2" in rows[0]["command"]
 
 
+def test_combine_probes_takes_peaks_and_steps_from_their_own_pairs(tmp_path):
+    """Probes measured apart: peak from the two largest layer counts >= 1, step from the two smallest warm ones."""
+    from benchmarks import harness
+
+    args = harness.parse_args(["--model", "paper-7b", "--seq-len", "4194304", "--world", "8"])
+    base = {**harness.base_row(args, harness.model_config(args)), "status": "ok"}
+    probes = [{**base, "layers": 0, "warmup": 1, "step_s": 3.0, "peak_gb": 20.0, "host_peak_gb": 0.0},
+              {**base, "layers": 1, "warmup": 1, "step_s": 153.0, "peak_gb": 60.0, "host_peak_gb": 4.0},
+              {**base, "layers": 2, "warmup": 0, "step_s": 330.0, "peak_gb": 61.5, "host_peak_gb": 8.0}]
+    path = tmp_path / "probes.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in probes))
+    _run(["--combine-probes", str(path), "--model", "paper-7b", "--jsonl", str(tmp_path / "out.jsonl")])
+    (row,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert row["layers"] == 32 and row["extrapolated"] is True and row["extrapolated_from"] == "1,2"
+    assert row["peak_gb"] == pytest.approx(61.5 + 30 * 1.5) and row["host_peak_gb"] == pytest.approx(8 + 30 * 4)
+    assert row["step_extrapolated_from"] == "0,1" and row["step_s_valid"] is True
+    assert row["step_s"] == pytest.approx(153 + 31 * 150)  # not 330 + 30 * 177: the 2-layer step was cold
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(4194304 / 8 / row["step_s"]) and row["mfu_peak"] > 0
+    assert set(row["measured"]) == {"0", "1", "2"}
+    cold = harness.combine_probes([probes[1], probes[2]], 32)  # no two warm steps: marked
+    assert cold["step_s_valid"] is False and cold["step_s"] == pytest.approx(330 + 30 * 177)
+
+
+@pytest.mark.parametrize("autocast,param_dtype,expected", [(True, "float32", torch.bfloat16),
+                                                             (False, "bfloat16", torch.bfloat16),
+                                                             (False, "float32", torch.float32)])
+def test_row_kernel_is_resolved_for_the_dtype_the_layers_see(monkeypatch, autocast, param_dtype, expected):
+    """bf16-true rows name the kernel that bf16 activations get (the model resolves by x.dtype), not fp32's."""
+    import lightning_tsp.kernels.attention as attention
+    from benchmarks.baselines.common import Setup
+    from benchmarks.baselines.model import cp_kernel
+
+    seen = []
+    monkeypatch.setattr(attention, "select_attention_kernel", lambda device, name, dtype: seen.append(dtype))
+    cp_kernel(Setup(cfg=None, strategy="tsp", world=8, rank=0, seq_len=64, autocast=autocast, param_dtype=param_dtype))
+    assert seen == [expected]
+
+
 def _equivalence(rank: int, world: int, strategies=("tp", "tp_sp", "sp", "fsdp_cp", "tp_x_sp")) -> None:
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor

@@ -334,10 +334,10 @@ def enable_cp(model, group, setup) -> None:
 
 def cp_kernel(setup):
     """The lightning_tsp attention kernel of the zigzag calls: ``setup.attention_kernel`` on ``setup.device`` for
-    bf16 (bf16-mixed: autocast or FSDP2's bf16 parameters) or fp32 inputs."""
+    bf16 (bf16-mixed: autocast or FSDP2's bf16 parameters; bf16-true: bf16 weights and activations) or fp32 inputs."""
     from lightning_tsp.kernels.attention import select_attention_kernel
 
-    dtype = torch.bfloat16 if setup.autocast else torch.float32
+    dtype = torch.bfloat16 if setup.autocast or setup.param_dtype == "bfloat16" else torch.float32
     return select_attention_kernel(setup.device, setup.attention_kernel, dtype)
 
 
