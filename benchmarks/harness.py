@@ -114,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "untimed steps (warm-up, capture): --warmup is raised to 2")
     ap.add_argument("--profile", action="store_true",
                     help="profile one more step: gpu_busy_s (the union of kernel time) and kernels in the row")
+    ap.add_argument("--memory-snapshot", metavar="PICKLE",
+                    help="CUDA: one more step with every allocation recorded, dumped here for "
+                         "python -m benchmarks.memory_peak (what is alive at the peak)")
     ap.add_argument("--compile", action="store_true",
                     help="rivals: each transformer block under torch.compile (default mode; fullgraph except the "
                          "context-parallel ones' zigzag attention), torchtitan's way. Not for tsp: TSP compiles its "
@@ -283,6 +286,12 @@ def measure(args) -> dict:
                 times.append(dt)
         if args.profile:
             row.update(profile_step(runner.step, cuda))
+        if args.memory_snapshot and cuda:  # one more step, every allocation recorded (benchmarks.memory_peak)
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            runner.step()
+            torch.cuda.synchronize()
+            torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
         if args.strategy == "tsp":  # whether the layers ran as CUDA graphs (cuda_graphs="auto" decides per step)
             row["graphed"] = getattr(runner.model, "_layer_graphs", None) is not None
         row["status"] = "ok"
@@ -384,7 +393,8 @@ def predicted_comm(row: dict) -> dict:
     from lightning_tsp.planning.strategies import _comm_time
 
     shape = ModelShape(row["vocab"], row["hidden"], row["layers"], row["heads"], row["kv_heads"], row["ffn"],
-                       name=row["model"], mlp_activations=row.get("mlp_activations") or "keep")
+                       name=row["model"], mlp_activations=row.get("mlp_activations") or "keep",
+                       kv_bucket_heads=row.get("kv_bucket_heads") if row["strategy"] == "tsp" else None)
     hw, prec = get_hardware(row["hardware"]), get_precision(row["precision"])
     s, w, gpn = row["strategy"], row["world"], max(row["gpus_per_node"], 1)
     B, S, mode = row["micro_batch"], row["seq_len"], row["checkpointing"]
@@ -595,9 +605,9 @@ def combine_probes(rows: list[dict], full: int, command: str | None = None) -> d
                          f"{[r['layers'] for r in ok]}")
 
     if ok[0].get("checkpointing") in ("offload", "full-offload") and mem[0]["layers"] < 2:
-        print("# warning: offload modes: a 1-layer probe has no host-to-GPU prefetch buffer and every deeper model has "
-              "one, so a peak extrapolated from 1 layer overstates the slope (512K full-offload: +75%); probe 2 and 3 "
-              "layers", file=sys.stderr)
+        print("# warning: offload modes: a 1-layer model holds one layer's kept tensors brought back from host, every "
+              "deeper model two (the next layer's are prefetched), so a peak extrapolated from 1 layer overstates the "
+              "slope (512K full-offload: +75%); probe 2 and 3 layers", file=sys.stderr)
 
     def line(pair, key):
         (a, b) = pair

@@ -99,6 +99,31 @@ def test_row_kernel_is_resolved_for_the_dtype_the_layers_see(monkeypatch, autoca
     assert seen == [expected]
 
 
+def test_memory_peak_replays_a_snapshot():
+    """benchmarks.memory_peak: the peak and what is alive there, from a caching-allocator snapshot's trace (blocks
+    allocated before recording began count in the baseline; freeing one of them lowers the later peak)."""
+    from benchmarks.memory_peak import peak_blocks
+
+    def frame(line):
+        return [{"filename": "/site/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": "/repo/lightning_tsp/layers/mlp.py", "line": line, "name": "backward"}]
+
+    trace = [{"action": "free_completed", "addr": 9, "size": 40},  # allocated before recording
+             {"action": "alloc", "addr": 1, "size": 50, "frames": frame(87)},
+             {"action": "alloc", "addr": 2, "size": 30, "frames": frame(93)},
+             {"action": "free_completed", "addr": 1, "size": 50},
+             {"action": "alloc", "addr": 3, "size": 60, "frames": frame(94)}]
+    blocks_now = [{"size": 100, "state": "active_allocated"}, {"size": 30, "state": "active_allocated"},
+                  {"size": 60, "state": "active_allocated"}, {"size": 8, "state": "inactive"}]
+    snapshot = {"segments": [{"device": 0, "blocks": blocks_now}], "device_traces": [trace]}
+    start, peak, alive = peak_blocks(snapshot)
+    assert start == 140  # 190 now = 140 + 50 + 30 - 50 + 60 - 40
+    assert peak == 140 - 40 + 30 + 60  # after the last allocation: 190, above 140 - 40 + 80 = 180
+    assert sorted(size for size, _ in alive.values()) == [30, 60]
+    assert {where for _, where in alive.values()} == {"lightning_tsp/layers/mlp.py:93 backward",
+                                                      "lightning_tsp/layers/mlp.py:94 backward"}
+
+
 def _equivalence(rank: int, world: int, strategies=("tp", "tp_sp", "sp", "fsdp_cp", "tp_x_sp")) -> None:
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor

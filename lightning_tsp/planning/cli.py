@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp-activations", choices=("keep", "recompute"), default="keep",
                    help="TSP's MLP ring: keep the gate/up pre-activations for backward (default) or recompute them "
                         "there (less memory at long contexts, one more GEMM per shard)")
+    p.add_argument("--kv-bucket-heads", type=int, default=None, metavar="N",
+                   help="TSP's head bucketing (kv_bucket_heads): KV heads whose full-sequence K/V are gathered at "
+                        "once (default: all of a broadcast-schedule step's)")
     p.add_argument("--host-memory", type=float, default=256.0, metavar="GB",
                    help="pinned host memory an offloading mode may use per GPU, in GB (default 256: a DGX H200's "
                         "2 TB over 8 GPUs)")
@@ -227,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("error: --plot needs matplotlib, which is not installed: pip install matplotlib", file=sys.stderr)
             return 1
     try:
-        shape = replace(get_model_shape(args.model), mlp_activations=args.mlp_activations)
+        shape = replace(get_model_shape(args.model), mlp_activations=args.mlp_activations,
+                        kv_bucket_heads=args.kv_bucket_heads)
         hw = get_hardware(args.gpu)
         prec = get_precision(args.precision)
         if not 0 < args.headroom <= 1:

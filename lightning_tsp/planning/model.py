@@ -46,6 +46,8 @@ class ModelShape:
     # TSP's dense MLP ring: "keep" its gate/up pre-activations for backward, or "recompute" them there
     # (ModelConfig.mlp_activations; other strategies ignore it)
     mlp_activations: str = "keep"
+    # TSP: local KV heads whose full-sequence K/V are gathered at once (head bucketing; None: a step's all)
+    kv_bucket_heads: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size"):
@@ -67,6 +69,8 @@ class ModelShape:
         elif self.experts_per_token or self.shared_expert_intermediate_size or self.n_dense_layers:
             raise ValueError("experts_per_token, shared_expert_intermediate_size and n_dense_layers need "
                              "num_experts > 0")
+        if self.kv_bucket_heads is not None and (not isinstance(self.kv_bucket_heads, int) or self.kv_bucket_heads < 1):
+            raise ValueError(f"ModelShape.kv_bucket_heads must be a positive integer or None, got {self.kv_bucket_heads!r}")
         if self.mlp_activations not in ("keep", "recompute"):
             raise ValueError(f"mlp_activations={self.mlp_activations!r}: choose 'keep' or 'recompute'")
         if self.n_heads % self.n_kv_heads:

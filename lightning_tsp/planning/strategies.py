@@ -351,6 +351,8 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
             sg = C.resolve_shard_group(shape, B, S, D, a, shard_group)  # owners per broadcast-schedule step
             _, kv_own = C.tsp_local_heads(shape, D)
             kv_step = step_kv_heads(sg, kv_own, D // C.tsp_kv_groups(shape, D))
+            if shape.kv_bucket_heads:  # head bucketing: that many KV heads' K/V gathered at a time
+                kv_step = min(kv_step, shape.kv_bucket_heads)
             kv = C.tsp_kv_gather_numel(shape, B, S, D) * kv_step // kv_own  # one step's gathered K/V
             Vs = C.tsp_vocab_shard_numel(shape, D)
             g = C.G_BYTES
@@ -364,7 +366,15 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
             ring = lambda M: 3 * M * w + 2 * M * g
             mlp_tr = 0.0
             if shape.n_moe_layers < shape.n_layers:  # the dense MLP ring
-                mlp_tr = ring(C.tsp_mlp_shard_numel(shape, D))
+                # backward, besides the ring: the fp32 input-gradient accumulator [T, h], the incoming gradient
+                # cast to the compute dtype where the residual stream is wider, and per shard the SwiGLU
+                # backward's [T, F/D] tensors beyond the activations term (the down-projection's input gradient,
+                # hid, the elementwise temporaries; "keep" also the gate/up gradient [T, 2F/D]): 5 or 7 of them
+                # (a memory snapshot of the 7B at 512K tokens, D = 8)
+                f_loc = F // D
+                extra = 5 if shape.mlp_activations == "recompute" else 7
+                mlp_tr = (ring(C.tsp_mlp_shard_numel(shape, D)) + T_loc * h * g
+                          + (T_loc * h * a if p.residual > a else 0) + extra * T_loc * f_loc * a)
             if shape.is_moe:
                 Me = C.tsp_expert_shard_numel(shape, D)
                 rows = T_loc * shape.experts_per_token
@@ -390,6 +400,11 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     final_hidden = kw["T_res"] * h * p.residual
     mem["activations"] = sum(n * saved for n, _, saved in kinds)
     mem["layer_working"] = max(full - saved for _, full, saved in kinds) + layer_transient
+    if checkpointing in C.OFFLOADED:
+        # what a layer keeps in host memory comes back to the GPU for its recomputation, and the next layer's is
+        # prefetched meanwhile: two layers' kept tensors on the GPU (one in a 1-layer model)
+        kept = "full" if checkpointing == "full-offload" else "keep-attention"
+        mem["layer_working"] += min(shape.n_layers, 2) * _layer_activations(shape, p, kept, **kw)[1]
     mem["head_working"] = logits_bytes + final_hidden + head_transient
     mem["transient_buffers"] = max(layer_transient, head_transient)  # informational (included above)
     states = mem["weights"] + mem["compute_copy"] + mem["grads"] + mem["optimizer"]
