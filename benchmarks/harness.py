@@ -19,6 +19,10 @@ The longest sequence that fits a memory budget (doubling + bisection; optionally
 linearly in layers):
     python -m benchmarks.harness --max-context --strategy tsp --model paper-7b --world 8 --budget-gb 140 \
         --probe-layers 1 2
+Probes too long for one process or device call (4M tokens): one --layers L run each, then one row from them (peak
+from the two largest L, step from the two smallest run after a warm-up step):
+    python -m benchmarks.harness --combine-probes probes.jsonl --model paper-7b --jsonl probes.jsonl
+What is alive at a step's peak: --memory-snapshot s.pickle, then python -m benchmarks.memory_peak s.pickle.
 Rows are printed as a markdown table, written to --out, and appended as JSON lines to --jsonl
 (default: --out with the suffix .jsonl). benchmarks.plot turns the JSON lines into plots.
 """
@@ -623,7 +627,7 @@ def combine_probes(rows: list[dict], full: int, command: str | None = None) -> d
            "measured": {str(r["layers"]): [r.get("peak_gb"), r.get("step_s")] for r in ok},
            "measured_host_peak_gb": {str(r["layers"]): r.get("host_peak_gb") for r in ok},
            "measured_warmup": {str(r["layers"]): r.get("warmup") for r in ok}}
-    if step_pair is not mem:
+    if [r["layers"] for r in step_pair] != [r["layers"] for r in mem]:
         row["step_extrapolated_from"] = f"{step_pair[0]['layers']},{step_pair[1]['layers']}"
     row["command"] = command or " ; ".join(r["command"] for r in ok)
     for key in ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "pred_step_with_comm_s", "comm_hidden",

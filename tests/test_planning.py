@@ -485,6 +485,26 @@ def test_plan_says_what_a_context_needs(capsys):
     assert "NOTHING FITS" in out and "what this context needs" in out[: out.index("checkpointing modes for")]
 
 
+def test_plan_adds_head_bucketing_where_recompute_alone_does_not_fit(capsys):
+    """6M tokens of the 7B on 8 H200s: bf16-true with full-offload fits only with the MLP ring recomputing and one
+    KV head's K/V gathered at a time; 8M fits with nothing (the layer working set of 1M local tokens)."""
+    from dataclasses import replace
+
+    assert main(["--model", "paper-7b", "--seq-len", "6M", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    needs = out[out.index("what this context needs on TSP D=8"):].splitlines()
+    assert needs[2].split()[:6] == ["bf16-true", "full-offload", "+", "mlp_activations=recompute", "+",
+                                    "kv_bucket_heads=1"]
+    layout, true = Layout("tsp", 8, 8, tsp=8), get_precision("bf16-true")
+    lean = replace(P7, mlp_activations="recompute")
+    S = 6 * 2**20
+    assert not estimate(lean, layout, H200, true, 1, S, "full-offload").fits
+    assert estimate(replace(lean, kv_bucket_heads=1), layout, H200, true, 1, S, "full-offload").fits
+    assert main(["--model", "paper-7b", "--seq-len", "8M", "--gpus", "8"]) == 0
+    needs = capsys.readouterr().out.split("what this context needs on TSP D=8")[1].splitlines()
+    assert "nothing fits" in needs[2] and "kv_bucket_heads=1" in needs[2] and "over the GPU limit" in needs[2]
+
+
 def test_mlp_recompute_trades_the_kept_pre_activations_for_a_gemm():
     """TSP's MLP ring with mlp_activations="recompute": every layer's working set loses the kept gate/up
     pre-activations of all shards ([T/D, 2F] in the compute dtype) but one shard's gate/up and gradient; backward

@@ -183,24 +183,27 @@ def needs_lines(rec: Estimate, host_limit_gb: float) -> list[str]:
     ``bf16-mixed``, under ``bf16-true`` (bf16 weights, states and residual stream: the layer inputs half as large),
     every checkpointing mode that fits the GPU (``headroom``) and ``host_limit_gb`` of pinned host memory per GPU,
     fastest first (then the smaller GPU and host footprint); where no mode fits, TSP's modes again with the MLP
-    ring recomputing its pre-activations (``mlp_activations="recompute"``); when still none does, the smallest GPU
-    footprint and why it does not fit."""
+    ring recomputing its pre-activations (``mlp_activations="recompute"``), then also gathering one KV head's K/V
+    at a time (``kv_bucket_heads=1``); when still none does, the smallest GPU footprint and why it does not fit."""
     precisions = [rec.precision] + ([get_precision("bf16-true")] if rec.precision.name == "bf16-mixed" else [])
-    shapes = [rec.shape]
-    if (rec.layout.strategy == "tsp" and rec.shape.mlp_activations == "keep"
-            and rec.shape.n_moe_layers < rec.shape.n_layers):
-        shapes.append(replace(rec.shape, mlp_activations="recompute"))
+    shapes = [(rec.shape, "")]
+    if rec.layout.strategy == "tsp":
+        shape, label = rec.shape, ""
+        if shape.mlp_activations == "keep" and shape.n_moe_layers < shape.n_layers:
+            shape, label = replace(shape, mlp_activations="recompute"), " + mlp_activations=recompute"
+            shapes.append((shape, label))
+        if shape.kv_bucket_heads != 1:
+            shapes.append((replace(shape, kv_bucket_heads=1), label + " + kv_bucket_heads=1"))
     lines = [f"what this context needs on {rec.layout.label} {rec.layout.degrees} (<= {rec.headroom:.0%} of "
              f"{rec.hardware.hbm_bytes / GiB:.0f} GiB per GPU, <= {host_limit_gb:.0f} GB pinned host memory per GPU):"]
     for prec in precisions:
-        for shape in shapes:
+        for shape, options in shapes:
             found = []
             for mode in CHECKPOINTING:
                 e = estimate(shape, rec.layout, rec.hardware, prec, rec.micro_batch, rec.seq_len, mode,
                              headroom=rec.headroom)
                 host = host_bytes(shape, rec.layout, prec, rec.micro_batch, rec.seq_len, mode)
-                label = mode + (" + mlp_activations=recompute" if shape is not rec.shape else "")
-                found.append((e, label, host, e.fits and host <= host_limit_gb * 1e9))
+                found.append((e, mode + options, host, e.fits and host <= host_limit_gb * 1e9))
             if any(f[3] for f in found):
                 break
         ok = sorted((f for f in found if f[3]), key=lambda f: (round(f[0].step_fitted_s, 3), f[0].peak_bytes, f[2]))
