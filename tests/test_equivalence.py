@@ -148,6 +148,9 @@ def _worker(rank: int, world_size: int) -> None:
     bucketed = dataclasses.replace(shapes_for(world_size, True), n_heads=4 * world_size, n_kv_heads=2 * world_size,
                                    hidden_size=32 * world_size)
     check_case(bucketed, "full", kv_bucket_heads=1)
+    # the 4M recipe's combination (recipes/paper-7b-4m.yaml): layer inputs in host memory, the MLP ring
+    # recomputing, one KV head's K/V gathered at a time
+    check_case(dataclasses.replace(bucketed, mlp_activations="recompute"), "full-offload", b=1, kv_bucket_heads=1)
     if world_size == 2:  # Qwen2-style q/k/v biases and Qwen3-style q/k norms with an explicit head_dim
         check_case(dataclasses.replace(shapes_for(world_size, True), attention_bias=True), "full")
         check_case(dataclasses.replace(shapes_for(world_size, True), qk_norm=True, head_dim=12), "none")
