@@ -41,6 +41,7 @@ from pathlib import Path
 from benchmarks.runner import (Deadline, append_jsonl, first_line, fmt, is_oom, jsonl_path, md_table, parse_seq,
                                run_config, seq_label, write_text)
 from lightning_tsp.planning import CHECKPOINTING
+from lightning_tsp.planning.collectives import OFFLOADED
 
 STRATEGIES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "fsdp_cp", "fsdp")
 COMPILE_SCOPES = ("checkpointed-block", "block")
@@ -259,6 +260,8 @@ def measure(args) -> dict:
 
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*deprecated")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.memory_snapshot and device != "cuda":
+        raise SystemExit(f"--memory-snapshot records CUDA's caching allocator; this run is on {device}")
     cfg = model_config(args)
     row = base_row(args, cfg)
     row["device"] = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
@@ -290,7 +293,7 @@ def measure(args) -> dict:
                 times.append(dt)
         if args.profile:
             row.update(profile_step(runner.step, cuda))
-        if args.memory_snapshot and cuda:  # one more step, every allocation recorded (benchmarks.memory_peak)
+        if args.memory_snapshot:  # one more step, every allocation recorded (benchmarks.memory_peak)
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
             runner.step()
             torch.cuda.synchronize()
@@ -608,7 +611,7 @@ def combine_probes(rows: list[dict], full: int, command: str | None = None) -> d
         raise ValueError("combine_probes: need two ok probes of >= 1 layer, got layers "
                          f"{[r['layers'] for r in ok]}")
 
-    if ok[0].get("checkpointing") in ("offload", "full-offload") and mem[0]["layers"] < 2:
+    if ok[0].get("checkpointing") in OFFLOADED and mem[0]["layers"] < 2:
         print("# warning: offload modes: a 1-layer model holds one layer's kept tensors brought back from host, every "
               "deeper model two (the next layer's are prefetched), so a peak extrapolated from 1 layer overstates the "
               "slope (512K full-offload: +75%); probe 2 and 3 layers", file=sys.stderr)

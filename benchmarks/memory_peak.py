@@ -31,7 +31,6 @@ def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, int, dict[int, tu
               for b in seg["blocks"] if b["state"] == "active_allocated")
     live: dict[int, tuple[int, str]] = {}
     net = best = 0  # bytes allocated since recording began, less those freed (of any block)
-    unknown_freed = 0  # blocks allocated before recording began and freed during it
     best_live: dict[int, tuple[int, str]] = {}
     for e in trace:
         if e["action"] == "alloc":
@@ -40,11 +39,8 @@ def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, int, dict[int, tu
             if net > best:
                 best, best_live = net, dict(live)
         elif e["action"] == "free_completed":
-            if e["addr"] in live:
-                net -= live.pop(e["addr"])[0]
-            else:
-                net -= e["size"]
-                unknown_freed += e["size"]
+            # a block allocated before recording began lowers the count all the same
+            net -= live.pop(e["addr"])[0] if e["addr"] in live else e["size"]
     start = now - net  # allocated when recording began
     return start, start + best, best_live
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from .collectives import CHECKPOINTING
+from .collectives import CHECKPOINTING, OFFLOADS
 from .hardware import HARDWARE_PRESETS, GiB, get_hardware
 from .model import MODEL_PRESETS, ModelShape, get_model_shape
 from .planner import PlanError, format_table, make_plan, select_rows
@@ -157,7 +157,7 @@ def _breakdown(e: Estimate) -> str:
 def host_bytes(shape, layout, precision, micro_batch: int, seq_len: int, mode: str) -> float:
     """Pinned host memory per GPU of a checkpointing mode: what ``keep-attention`` (``offload``) or ``full``
     (``full-offload``) keeps on the GPU; 0 for the other modes."""
-    on_gpu = {"offload": "keep-attention", "full-offload": "full"}.get(mode)
+    on_gpu = OFFLOADS.get(mode)
     if on_gpu is None:
         return 0.0
     return memory_breakdown(shape, layout, precision, micro_batch, seq_len, on_gpu)["activations"]

@@ -51,7 +51,9 @@ CHECKPOINTING = ("none", "selective", "full", "keep-attention", "offload", "full
 RECOMPUTING = ("full", "keep-attention", "offload", "full-offload")  # re-run each layer's forward in backward
 ATTENTION_REPLAYED = ("keep-attention", "offload")  # ... replaying the attention outputs (no K/V gather, no kernel)
 ATTENTION_RECOMPUTED = ("full", "full-offload")  # ... re-running the K/V gathers and the attention kernels too
-OFFLOADED = ("offload", "full-offload")  # the kept tensors in pinned host memory (nothing per layer on the GPU)
+# the kept tensors in pinned host memory (nothing per layer on the GPU): each offload mode -> the mode it keeps for
+OFFLOADS = {"offload": "keep-attention", "full-offload": "full"}
+OFFLOADED = tuple(OFFLOADS)
 
 Tally = dict[str, dict[str, int]]  # phase -> op -> bytes (or calls)
 What = Literal["bytes", "calls"]

@@ -403,8 +403,8 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     if checkpointing in C.OFFLOADED:
         # what a layer keeps in host memory comes back to the GPU for its recomputation, and the next layer's is
         # prefetched meanwhile: two layers' kept tensors on the GPU (one in a 1-layer model)
-        kept = "full" if checkpointing == "full-offload" else "keep-attention"
-        mem["layer_working"] += min(shape.n_layers, 2) * _layer_activations(shape, p, kept, **kw)[1]
+        kept = _layer_activations(shape, p, C.OFFLOADS[checkpointing], **kw)[1]
+        mem["layer_working"] += min(shape.n_layers, 2) * kept
     mem["head_working"] = logits_bytes + final_hidden + head_transient
     mem["transient_buffers"] = max(layer_transient, head_transient)  # informational (included above)
     states = mem["weights"] + mem["compute_copy"] + mem["grads"] + mem["optimizer"]
