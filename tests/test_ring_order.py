@@ -10,6 +10,8 @@ its issue and its wait. The log must show:
   each weight hop overlaps a step, except the first (step 0 needs the left neighbour's shard, and nothing of the
   ring runs before step 0); at most one hop of each kind in flight and at most 3 accumulators alive; the same
   sequence of sends/recvs on every rank; and the owner's gradient exactly the all-reduced sum of the partials.
+* ``RingGradPass(in_place=True)`` (the MLP): the same, with the accumulator waited inside the step, after the
+  step's input-gradient compute was issued and before the partial is added into it.
 * ``ring_shards`` (forward): every weight hop overlaps the step before it is needed.
 """
 
@@ -125,20 +127,28 @@ def partial(rank: int, s: int) -> torch.Tensor:
     return torch.randint(-(2**20), 2**20, (N_ACC,), generator=g).to(ACC)
 
 
-def _grad_pass_worker(rank: int, world: int, with_weights: bool) -> None:
+def _grad_pass_worker(rank: int, world: int, with_weights: bool, in_place: bool = False) -> None:
     tsp = TSPGroup.from_process_group(dist.group.WORLD)
     rec = HopRecorder(tsp)
-    ring_pass = ring.RingGradPass(tsp, weight_shard(rank) if with_weights else None, N_ACC, "cpu", ACC)
+    ring_pass = ring.RingGradPass(tsp, weight_shard(rank) if with_weights else None, N_ACC, "cpu", ACC,
+                                  in_place=in_place)
     seen = []
     with rec.installed():
         for t, (s, buf, part) in enumerate(ring_pass):
-            rec.compute(t, part)
+            if in_place:  # the step's input-gradient work is issued, then the accumulator is waited and added to
+                rec.compute(t)
+                acc, fresh = part()
+                assert fresh == (t == 0), f"rank {rank} step {t}: fresh={fresh}"
+                rec._track(acc)
+                acc.copy_(partial(rank, s)) if fresh else acc.add_(partial(rank, s))
+            else:
+                rec.compute(t, part)
+                part.add_(partial(rank, s))
             seen.append(s)
             if with_weights:
                 assert torch.equal(buf, weight_shard(s)), f"rank {rank} step {t}: not shard {s}'s weights"
             else:
                 assert buf is None
-            part.add_(partial(rank, s))
     assert seen == [(rank - 1 - t) % world for t in range(world)], seen
 
     # The owner's gradient is exactly the sum of every rank's partial of its shard.
@@ -194,6 +204,7 @@ def _worker(rank: int, world: int) -> None:
     _forward_ring_worker(rank, world)
     _grad_pass_worker(rank, world, with_weights=True)  # the MLP / MoE / LM head ring
     _grad_pass_worker(rank, world, with_weights=False)  # the embedding's: only the accumulator moves
+    _grad_pass_worker(rank, world, with_weights=True, in_place=True)  # the MLP's: GEMMs add into the arrived sum
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -160,17 +160,35 @@ def zigzag_attention(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, t
     return o, lse if got_lse else None
 
 
+@fused_on_cuda(rows_heads)
+def store_kv_grad(out: Tensor, gk: Tensor, gv: Tensor, add: bool) -> None:
+    """Write (or add) one piece's dK, dV [B, Lk, n, d] into the key rows ``out`` [B, Lk, 2n, d] of a gathered
+    gradient buffer (K heads, then V heads, at least fp32): on CUDA one compiled kernel that reads both and writes
+    whole contiguous rows, instead of two strided converting copies."""
+    g = torch.cat([gk, gv], dim=2).to(out.dtype)
+    out.add_(g) if add else out.copy_(g)
+
+
 def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp: TSPGroup,
                               dq_out: Tensor | None = None, dk_out: Tensor | None = None,
-                              dv_out: Tensor | None = None, documents: Documents | None = None):
+                              dv_out: Tensor | None = None, documents: Documents | None = None,
+                              dkv_out: Tensor | None = None, accumulate: bool = False):
     """Gradients of :func:`zigzag_attention`: dq like q, dK/dV [B, Hkv, S, d] in gather order summed over this
     rank's calls, in (at least) fp32. The first call writes its key rows, the second adds into them (its keys lie
     inside the first's, see :func:`zigzag_calls`); the rows before the first call's keys, which no call reads,
-    get zeros."""
+    get zeros.
+
+    ``dkv_out`` [B, S, 2 Hkv, d] (the gathered buffer's layout: K heads, then V heads): dK/dV are written there
+    (whole rows at once; ``dk_out``/``dv_out`` unused) and returned as its views; with ``accumulate`` they are added
+    to what it holds (the other owners of a replicated KV head) and the unread rows are left as they are."""
     dq = torch.empty_like(q) if dq_out is None else dq_out
     acc = torch.promote_types(k.dtype, torch.float32)
-    dk = torch.empty(k.shape, dtype=acc, device=k.device) if dk_out is None else dk_out
-    dv = torch.empty(v.shape, dtype=acc, device=v.device) if dv_out is None else dv_out
+    n = k.shape[1]
+    if dkv_out is not None:
+        dk, dv = dkv_out[:, :, :n].transpose(1, 2), dkv_out[:, :, n:].transpose(1, 2)
+    else:
+        dk = torch.empty(k.shape, dtype=acc, device=k.device) if dk_out is None else dk_out
+        dv = torch.empty(v.shape, dtype=acc, device=v.device) if dv_out is None else dv_out
     calls = zigzag_calls(q.shape[2], tsp)
     for i, (rows, own, pre) in enumerate(calls):
         k_pre, v_pre = (None, None) if pre is None else (k[:, :, pre], v[:, :, pre])
@@ -182,15 +200,22 @@ def zigzag_attention_backward(kernel: AttentionKernel, do, q, k, v, o, lse, tsp:
         for key_rows, gk, gv in ((own, dk_own, dv_own), (pre, dk_pre, dv_pre)):
             if key_rows is None:
                 continue
-            if i == 0:
+            add = i > 0 or accumulate
+            if dkv_out is not None:
+                store_kv_grad(dkv_out[:, key_rows], gk.transpose(1, 2), gv.transpose(1, 2), add)
+            elif not add:
                 dk[:, :, key_rows] = gk
                 dv[:, :, key_rows] = gv
             else:
                 dk[:, :, key_rows] += gk
                 dv[:, :, key_rows] += gv
-    unread = slice(0, calls[0][1].start)
-    dk[:, :, unread] = 0
-    dv[:, :, unread] = 0
+    if not accumulate:
+        unread = slice(0, calls[0][1].start)
+        if dkv_out is not None:
+            dkv_out[:, unread] = 0
+        else:
+            dk[:, :, unread] = 0
+            dv[:, :, unread] = 0
     return dq, dk, dv
 
 
@@ -589,15 +614,13 @@ def _attention_grads(spec, kv: GatheredKV, s: OwnerSaved, do: Tensor, dg_acc: li
     for i, (kvs, qs) in enumerate(spec.buckets()):
         g = kv.bucket(i)
         n = kvs.stop - kvs.start
-        dg = torch.empty(g.shape, dtype=acc_dtype, device=g.device)
+        earlier = dg_acc[i]  # the KV group's earlier owners' sum: this owner's dK/dV are added into it
+        dg = torch.empty(g.shape, dtype=acc_dtype, device=g.device) if earlier is None else earlier
         zigzag_attention_backward(
             spec.kernel, _bhld(do[:, :, qs]), _bhld(s.q[:, :, qs]), _bhld(g[:, :, :n]), _bhld(g[:, :, n:]),
             _bhld(s.o[:, :, qs]), None if s.lse is None else s.lse[:, qs], spec.tsp,
-            dq_out=_bhld(dq[:, :, qs]), dk_out=_bhld(dg[:, :, :n]), dv_out=_bhld(dg[:, :, n:]),
-            documents=spec.documents)
+            dq_out=_bhld(dq[:, :, qs]), documents=spec.documents, dkv_out=dg, accumulate=earlier is not None)
         del g
-        if dg_acc[i] is not None:
-            dg += dg_acc[i]
         dg_acc[i] = None
         if finish:
             dkv = scatter_kv_grad(dg, spec.tsp)  # fp32, summed over the group

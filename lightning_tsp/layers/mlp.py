@@ -28,6 +28,14 @@ from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 
 @fused_on_cuda(rows)
+def swiglu_into(gu: Tensor, out: Tensor) -> None:
+    """out = silu(gate) * up for gu = [gate | up] [n, 2F], written into ``out`` [n, F] (a column block of the
+    activation buffer): one compiled kernel on CUDA, no temporary."""
+    f = gu.shape[1] // 2
+    out.copy_(F.silu(gu[:, :f]) * gu[:, f:])
+
+
+@fused_on_cuda(rows)
 def swiglu_backward(gu: Tensor, d_hid: Tensor) -> tuple[Tensor, Tensor]:
     """For hid = silu(gate) * up with gu = [gate | up] [n, 2F] and d_hid [n, F]: (d gu [n, 2F], hid [n, F]).
     silu' is aten's silu_backward; on CUDA the whole function is one compiled kernel."""
@@ -41,37 +49,42 @@ def swiglu_backward(gu: Tensor, d_hid: Tensor) -> tuple[Tensor, Tensor]:
 MLP_ACTIVATIONS = ("keep", "recompute")
 
 
+def pack_shard(w_gate: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype) -> Tensor:
+    """The ring's message for one shard: ``[Wg; Wu]`` [2F/D, h] (one GEMM), then ``Wd^T`` [F/D, h], so that the
+    shards' down projections stack into the [F, h] operand of one output GEMM by contiguous row blocks."""
+    return pack([w_gate, w_up, w_down.T], dtype)
+
+
 class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup, recompute: bool = False):
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
         f = w_gate.shape[0]  # F/D
-        shapes = [w_gate.shape, w_up.shape, w_down.shape]
-        ctx.tsp, ctx.shapes, ctx.recompute = tsp, shapes, recompute
+        ctx.tsp, ctx.recompute = tsp, recompute
         if recompute:
             # each shard's down projection added into one fp32 output as the shard passes; nothing kept per shard
             y = torch.empty(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-            for t, (_, buf) in enumerate(ring_shards(tsp, pack([w_gate, w_up, w_down], x.dtype))):
+            act = x.new_empty(b * l, f)
+            for t, (_, buf) in enumerate(ring_shards(tsp, pack_shard(w_gate, w_up, w_down, x.dtype))):
                 gu = x2 @ buf[: 2 * f * h].view(2 * f, h).T
-                act = F.silu(gu[:, :f]) * gu[:, f:]
-                (matmul_into if t == 0 else add_matmul_)(y, act, unpack(buf, shapes)[2].T)
-                del gu, act
+                swiglu_into(gu, act)
+                (matmul_into if t == 0 else add_matmul_)(y, act, buf[2 * f * h :].view(f, h))
+                del gu
             ctx.save_for_backward(x, w_gate, w_up, w_down)
             return y.to(x.dtype).view(b, l, h)
-        # each shard's activations and down-projection columns land in one [B*L, F] / [h, F] pair: the outputs
+        # each shard's activations and down-projection rows land in one [B*L, F] / [F, h] pair: the outputs
         # accumulate in ONE down-projection GEMM at the end (full K, fp32 inside the GEMM), not D thin ones
         act_all = x.new_empty(b * l, tsp.size * f)
-        wd_all = x.new_empty(h, tsp.size * f)
+        wd_all = x.new_empty(tsp.size * f, h)
         saved = [None] * tsp.size  # gate|up pre-activations [B*L, 2F/D], indexed by shard
-        for s, buf in ring_shards(tsp, pack([w_gate, w_up, w_down], x.dtype)):
+        for s, buf in ring_shards(tsp, pack_shard(w_gate, w_up, w_down, x.dtype)):
             w_gu = buf[: 2 * f * h].view(2 * f, h)  # gate and up rows are consecutive: one GEMM
-            cols = slice(s * f, (s + 1) * f)
-            wd_all[:, cols] = unpack(buf, shapes)[2]
+            wd_all[s * f : (s + 1) * f] = buf[2 * f * h :].view(f, h)  # a contiguous block copy
             gu = x2 @ w_gu.T
-            torch.mul(F.silu(gu[:, :f]), gu[:, f:], out=act_all[:, cols])
+            swiglu_into(gu, act_all[:, s * f : (s + 1) * f])
             saved[s] = gu
-        y = act_all @ wd_all.T
+        y = act_all @ wd_all
         del act_all, wd_all
         ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
         return y.view(b, l, h)
@@ -79,23 +92,27 @@ class RingMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
-        tsp, shapes = ctx.tsp, ctx.shapes
+        tsp = ctx.tsp
         b, l, h = x.shape
         f = w_gate.shape[0]
         x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
-        local = pack([w_gate, w_up, w_down], x.dtype)
-        ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype, overwrite=True)
-        for s, buf, acc in ring:
+        local = pack_shard(w_gate, w_up, w_down, x.dtype)
+        # the accumulator of a shard's gradient travels with it: [dWg; dWu] [2F/D, h], then dWd [h, F/D]
+        ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype, in_place=True)
+        for s, buf, take in ring:
             w_gu = buf[: 2 * f * h].view(2 * f, h)
-            wd = unpack(buf, shapes)[2]
+            wd_t = buf[2 * f * h :].view(f, h)  # Wd_s^T
             gu = x2 @ w_gu.T if ctx.recompute else saved[s]
-            d_gu, hid = swiglu_backward(gu, dy2 @ wd)
+            d_gu, hid = swiglu_backward(gu, dy2 @ wd_t.T)
             add_matmul_(dx, d_gu, w_gu)  # one GEMM for both input gradients
+            acc, fresh = take()  # the left neighbour's sum for shard s arrives while the GEMMs above run
             acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
-            matmul_into(acc_gu, d_gu.T, x2)  # the two GEMMs write the whole fresh partial (no zero fill)
-            matmul_into(acc_d, dy2.T, hid)
+            add = matmul_into if fresh else add_matmul_  # first step: the GEMMs write the whole accumulator
+            add(acc_gu, d_gu.T, x2)
+            add(acc_d, dy2.T, hid)
+        shapes = [w_gate.shape, w_up.shape, w_down.shape]
         d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
         return (dx.view(b, l, h).to(x.dtype), *d_w, None, None)
 

@@ -51,31 +51,40 @@ class RingGradPass:
     that write their product). After the loop ``grad`` holds the complete gradient of this rank's own shard.
     ``local=None`` moves only the accumulator (for ops whose backward needs no weights, e.g. the embedding).
 
+    ``in_place=True`` yields ``(s, shard_s, take)`` instead: the caller first issues the work that needs no
+    accumulator (input gradients), then ``acc, fresh = take()`` waits for the accumulator of shard s arriving from
+    the left neighbour and the caller adds its partial straight into it (GEMMs with beta = 1, fp32 epilogue); on the
+    first step ``fresh`` is True and ``acc`` is uninitialised (write every element). No separate partial and no
+    fp32 add pass per step: the hop hides behind the input-gradient work of the step instead of the whole step.
+
     Order on every rank (the same sequence of sends/recvs everywhere), step t on shard s = r-1-t: issue weight hop
     t+1 | yield: the caller issues step t's GEMMs into ``part`` | wait accumulator hop t-1 (issued after step t-1,
     it ran while step t's GEMMs were issued), add ``part`` into what it brought and issue the sum as accumulator hop
     t | wait weight hop t+1. So every hop has one step's compute issued between its issue and its wait (accumulator
     hop t: step t+1's; weight hop t+1: step t's), except the first weight hop, which step 0 waits for (it needs the
-    left neighbour's shard). An accumulator added to in place would have to arrive before the GEMMs start. Deferring
-    the add and send-on further gains nothing: the accumulator of shard s meets the ranks in the order they compute
-    s, one step apart, so each hop must land within one step whatever the order, and the last hop (into the owner)
-    would be left with no compute to hide behind. At most one hop of each kind in flight; at most three accumulators
-    alive (``part``, the one being sent, the one arriving). ``tests/test_ring_order.py`` pins this order. Traffic:
-    D-1 weight hops and D-1 accumulator hops per rank.
+    left neighbour's shard). With ``in_place`` the wait of accumulator hop t-1 moves into the step, after the
+    caller's input-gradient work. The accumulator of shard s meets the ranks in the order they compute s, one step
+    apart, so each hop must land within one step whatever the order, and the last hop (into the owner) has no
+    compute after it to hide behind. At most one hop of each kind in flight; at most three accumulators alive.
+    ``tests/test_ring_order.py`` pins this order. Traffic: D-1 weight hops and D-1 accumulator hops per rank.
     """
 
     def __init__(self, tsp: TSPGroup, local: Tensor | None, grad_numel: int, device, grad_dtype=torch.float32,
-                 overwrite: bool = False):
+                 overwrite: bool = False, in_place: bool = False):
         self.tsp, self.local = tsp, local
         self.grad_numel, self.device, self.grad_dtype = grad_numel, device, grad_dtype
-        self.new_part = torch.empty if overwrite else torch.zeros
+        self.new_part = torch.empty if overwrite or in_place else torch.zeros
+        self.in_place = in_place
         self.grad: Tensor | None = None
+
+    def _fresh(self) -> Tensor:
+        return self.new_part(self.grad_numel, device=self.device, dtype=self.grad_dtype)
 
     def __iter__(self) -> Iterator[tuple[int, Tensor | None, Tensor]]:
         d, r = self.tsp.size, self.tsp.rank
         if d == 1:
-            self.grad = self.new_part(self.grad_numel, device=self.device, dtype=self.grad_dtype)
-            yield 0, self.local, self.grad
+            self.grad = self._fresh()
+            yield 0, self.local, (lambda: (self.grad, True)) if self.in_place else self.grad
             return
         # Step t works on shard r-1-t, so the weights need one hop before the first step.
         cur = _Shift(self.tsp, self.local).result() if self.local is not None else None
@@ -83,9 +92,22 @@ class RingGradPass:
         for t in range(d):
             # The last step (t = D-1) is the own shard: no weights need to arrive for it.
             nxt = _Shift(self.tsp, cur) if cur is not None and t + 2 < d else None
-            part = self.new_part(self.grad_numel, device=self.device, dtype=self.grad_dtype)
-            yield (r - 1 - t) % d, cur, part
-            acc = part if incoming is None else incoming.result().add_(part)  # the first step starts the sum
+            s = (r - 1 - t) % d
+            if self.in_place:
+                taken: list[Tensor] = []
+
+                def take(arriving=incoming, taken=taken):
+                    assert not taken, "take() once per step"
+                    taken.append(self._fresh() if arriving is None else arriving.result())
+                    return taken[0], arriving is None
+
+                yield s, cur, take
+                assert taken, "an in-place RingGradPass step must take() its accumulator"
+                acc = taken[0]
+            else:
+                part = self._fresh()
+                yield s, cur, part
+                acc = part if incoming is None else incoming.result().add_(part)  # the first step starts the sum
             if t + 1 < d:
                 incoming = _Shift(self.tsp, acc)  # acc travels on while the next shard computes
                 if cur is not None:
