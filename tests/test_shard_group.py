@@ -62,7 +62,7 @@ def test_layout_regroup_and_ungroup():
                 own, k = lay.view(owners[i]), i // step
                 q = slice(i * lay.q_rows, (i + 1) * lay.q_rows)
                 assert torch.equal(view.w_qkv[q], own.w_qkv[: lay.q_rows])
-                assert torch.equal(view.w_o[:, q], own.w_o)
+                assert torch.equal(view.w_o[q], own.w_o)  # Wo^T: owner-major rows
                 assert torch.equal(view.b_qkv[q], own.b_qkv[: lay.q_rows])
                 if kv_source == "owner" and i % step:
                     continue  # regroup reads a replicated KV head from its first owner only
@@ -72,6 +72,23 @@ def test_layout_regroup_and_ungroup():
                     mine = slice(lay.q_rows + part * lay.kv_rows, lay.q_rows + (part + 1) * lay.kv_rows)
                     assert torch.equal(view.w_qkv[rows], own.w_qkv[mine])
                     assert torch.equal(view.b_qkv[rows], own.b_qkv[mine])
+
+
+def test_zero_copy_grouping_stacks_each_piece_owner_by_owner():
+    """Where every owner's KV heads are distinct, the grouped shard is each packed piece stacked owner by owner:
+    what the collectives build in place from ``group_pieces`` equals ``regroup``, and a gradient's pieces are
+    ``ungroup``'s rows (the reduces send them back without copies)."""
+    for lay, g in ((HeadLayout(16, 2, 1, 4, bias=True), 4), (HeadLayout(16, 2, 2, 4), 2)):
+        assert lay.zero_copy_grouping(g) and not lay.zero_copy_grouping(1)
+        shards = torch.randn(g, lay.numel, dtype=torch.float64)
+        stacked = torch.empty(lay.grouped(g).numel, dtype=torch.float64)
+        for src, dst in lay.group_pieces(g):
+            stacked[dst].view(g, -1).copy_(shards[:, src])
+        assert torch.equal(stacked, lay.regroup(shards, g))
+        back = lay.ungroup(stacked, g)
+        for src, dst in lay.group_pieces(g):
+            assert torch.equal(back[:, src], stacked[dst].view(g, -1))
+    assert not HeadLayout(16, 2, 1, 4, kv_replicas=2).zero_copy_grouping(4)  # a replicated KV head: regroup
 
 
 def test_auto_choice_and_refusals():

@@ -191,7 +191,7 @@ def attention_decode(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
     o, lse = cache_attention(q_all, k_cache, v_cache, slot_pos)
     send = torch.cat([o, lse.unsqueeze(-1)], dim=-1).view(b, d, nq, hd + 1).transpose(0, 1)  # [D, B, nq, d+1]
     recv = all_to_all(send, tsp)  # row p: rank p's partials for MY heads
-    return _sum_over_group(_partial_out(_merge_heads(recv, x.dtype), view.w_o), tsp)
+    return _sum_over_group(_partial_out(_merge_heads(recv, x.dtype), view.w_o.T), tsp)
 
 
 def _mlp_partial(mlp, x: Tensor) -> Tensor:

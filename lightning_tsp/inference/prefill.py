@@ -20,7 +20,6 @@ from torch import Tensor
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_reduce_
 from lightning_tsp.layers.attention import broadcast_attention
-from lightning_tsp.schedules.comm import pack
 from lightning_tsp.zigzag import zigzag_positions, zigzag_shard
 
 # slots per cache row rounded up to this on CUDA: the decode GEMMs' fp32 scores and bf16 probabilities [.., T] then
@@ -43,7 +42,7 @@ def attention_prefill(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor
             k_cache[:, heads, :l] = blk[:, :, :n].transpose(1, 2)
             v_cache[:, heads, :l] = blk[:, :, n:].transpose(1, 2)
 
-    shard = pack(attn.shard_params(), x.dtype)
+    shard = spec.layout.pack(attn.shard_params(), x.dtype)
     norms = [w.to(x.dtype) for w in attn.norm_params()]
     y, _, _ = broadcast_attention(spec, x, cos.unsqueeze(-2), sin.unsqueeze(-2), shard, norms, kv_sink=into_cache,
                                   save=False)

@@ -227,7 +227,7 @@ class ShardView(NamedTuple):
     owner's own parameters (:meth:`HeadLayout.params_view`, tuples of q/k/v pieces, nothing copied)."""
 
     w_qkv: Tensor | tuple[Tensor, ...]  # [(nq + 2 nkv) d, h]: q rows, then K rows, then V rows (one GEMM)
-    w_o: Tensor  # [h, nq d]: the matching columns of o_proj
+    w_o: Tensor  # [nq d, h]: the matching columns of o_proj, transposed (Wo^T)
     b_qkv: Tensor | tuple[Tensor, ...] | None  # [(nq + 2 nkv) d] q/k/v biases (Qwen2), None without
 
 
@@ -235,8 +235,10 @@ class ShardView(NamedTuple):
 class HeadLayout:
     """One head group (what one owner holds) and its packed shard, the one message the broadcast schedule sends.
 
-    The shard is ``[Wq; Wk; Wv]``, ``Wo``, then with biases ``[bq; bk; bv]``, flattened in that order (the order of
-    :meth:`TSPAttention.shard_params`). With fewer KV heads than ranks, ``kv_replicas`` = D / n_kv consecutive
+    The shard is ``[Wq; Wk; Wv]``, ``Wo^T`` (o_proj's columns transposed: [nq d, h]), then with biases
+    ``[bq; bk; bv]``, flattened in that order (the order of :meth:`TSPAttention.shard_params`; :meth:`pack`). Every
+    piece is a block of whole rows, so g owners' shards regroup by stacking each piece owner by owner, which the
+    collectives do in place (:meth:`zero_copy_grouping`). With fewer KV heads than ranks, ``kv_replicas`` = D / n_kv consecutive
     owners form one KV group: each holds a copy of the group's KV head (``n_kv_heads`` = 1) and its own query heads.
     """
 
@@ -262,7 +264,18 @@ class HeadLayout:
     def shapes(self) -> list[tuple[int, ...]]:
         """Shapes of the packed pieces, in packing order (wq, wk, wv, wo[, bq, bk, bv])."""
         h, q, kv = self.hidden, self.q_rows, self.kv_rows
-        return [(q, h), (kv, h), (kv, h), (h, q)] + ([(q,), (kv,), (kv,)] if self.bias else [])
+        return [(q, h), (kv, h), (kv, h), (q, h)] + ([(q,), (kv,), (kv,)] if self.bias else [])
+
+    @staticmethod
+    def pack(params: list[Tensor], dtype: torch.dtype) -> Tensor:
+        """The packed shard of the sharded parameters (``TSPAttention.shard_params`` order) in ``dtype``."""
+        return pack([*params[:3], params[3].T, *params[4:]], dtype)
+
+    def unpack_grads(self, d_shard: Tensor, params: list[Tensor]) -> list[Tensor]:
+        """A packed shard's gradient -> one gradient per parameter, shaped and typed like it."""
+        grads = unpack(d_shard, self.shapes())
+        grads[3] = grads[3].T
+        return [g.to(w.dtype) for g, w in zip(grads, params)]
 
     @property
     def numel(self) -> int:
@@ -270,12 +283,12 @@ class HeadLayout:
 
     def view(self, buf: Tensor) -> ShardView:
         h, rows, o = self.hidden, self.qkv_rows, self.hidden * self.q_rows
-        return ShardView(buf[: rows * h].view(rows, h), buf[rows * h : rows * h + o].view(h, self.q_rows),
+        return ShardView(buf[: rows * h].view(rows, h), buf[rows * h : rows * h + o].view(self.q_rows, h),
                          buf[rows * h + o : rows * h + o + rows] if self.bias else None)
 
     def params_view(self, params: list[Tensor]) -> ShardView:
         """A view of the sharded parameters themselves (``TSPAttention.shard_params`` order), without packing."""
-        return ShardView(tuple(params[:3]), params[3], tuple(params[4:7]) if self.bias else None)
+        return ShardView(tuple(params[:3]), params[3].T, tuple(params[4:7]) if self.bias else None)
 
     def kv_view(self, buf: Tensor) -> tuple[Tensor, Tensor | None]:
         """The K/V rows of a shard-shaped buffer: (weights [2 kv d, h], biases [2 kv d] or None)."""
@@ -312,7 +325,17 @@ class HeadLayout:
                           self.head_dim, self.bias, max(1, self.kv_replicas // g))
 
     def _piece_kinds(self) -> list[str]:
-        return ["q", "kv", "kv", "o"] + (["q", "kv", "kv"] if self.bias else [])
+        return ["q", "kv", "kv", "q"] + (["q", "kv", "kv"] if self.bias else [])
+
+    def zero_copy_grouping(self, g: int) -> bool:
+        """Whether g owners' shards become the grouped shard by stacking each piece owner by owner (every owner's
+        KV heads distinct): the collectives then deliver each owner's pieces in place (:meth:`group_pieces`)."""
+        return g > 1 and self._kv_step(g) == 1
+
+    def group_pieces(self, g: int) -> list[tuple[slice, slice]]:
+        """Per packed piece: (its slice in an owner's shard, its region in the grouped shard, g times as large,
+        owner-major). Only where :meth:`zero_copy_grouping`."""
+        return [(src, dst) for _, src, dst in self._group_pieces(g)]
 
     def _group_pieces(self, g: int):
         """Per packed piece: (kind, offset and size in an owner's shard, its view in the grouped shard)."""
@@ -330,14 +353,11 @@ class HeadLayout:
             return shards[0]
         out = shards.new_empty(self.grouped(g).numel)
         step = self._kv_step(g)
-        h, q = self.hidden, self.q_rows
         for kind, src, dst in self._group_pieces(g):
             if kind == "q":  # owner-major rows
                 out[dst].view(g, -1).copy_(shards[:, src])
-            elif kind == "kv":  # one copy per distinct KV head
+            else:  # one copy per distinct KV head
                 out[dst].view(g // step, -1).copy_(shards[::step, src])
-            else:  # o_proj columns [h, g q]
-                out[dst].view(h, g, q).copy_(shards[:, src].view(g, h, q).transpose(0, 1))
         return out
 
     def ungroup(self, grad: Tensor, g: int) -> Tensor:
@@ -347,15 +367,12 @@ class HeadLayout:
             return grad.view(1, -1)
         out = grad.new_empty(g, self.numel)
         step = self._kv_step(g)
-        h, q = self.hidden, self.q_rows
         for kind, src, dst in self._group_pieces(g):
             if kind == "q":
                 out[:, src].copy_(grad[dst].view(g, -1))
-            elif kind == "kv":
+            else:
                 n = src.stop - src.start
                 out[:, src].view(g // step, step, n).copy_(grad[dst].view(g // step, 1, n).expand(-1, step, -1))
-            else:
-                out[:, src].view(g, h, q).copy_(grad[dst].view(h, g, q).transpose(0, 1))
         return out
 
 
@@ -553,8 +570,12 @@ def _unflatten_saved(flat, n_owners: int, n_groups: int, n_buckets: int):
 def schedule_shards(spec: _AttnSpec, shard: Tensor) -> Iterator[tuple[int, Tensor]]:
     """Per step J of the broadcast schedule, the packed shard of its head group (:attr:`_AttnSpec.step_layout`):
     owner J's shard, or with shard grouping the g owners' shards regrouped into one."""
-    for jg, shards in gather_shard_groups(spec.tsp, shard, spec.group):
-        yield jg, spec.layout.regroup(shards, spec.group)
+    lay, g = spec.layout, spec.group
+    if lay.zero_copy_grouping(g):  # the collectives write each owner's pieces where the grouped shard has them
+        yield from gather_shard_groups(spec.tsp, shard, g, pieces=lay.group_pieces(g))
+        return
+    for jg, shards in gather_shard_groups(spec.tsp, shard, g):
+        yield jg, lay.regroup(shards, g)
 
 
 def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor, norms: list[Tensor], *,
@@ -568,17 +589,17 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
     b, l, h = x.shape
     lay = spec.step_layout
     x2 = x.reshape(b * l, h)
-    # every head group's o and Wo_j land in one [B*L, D*nq*d] / [h, D*nq*d] pair: one output-projection GEMM
+    # every head group's o and Wo_j^T land in one [B*L, D*nq*d] / [D*nq*d, h] pair: one output-projection GEMM
     # at the end (full K, fp32 accumulation inside the GEMM) instead of D thin GEMMs into an accumulator
     o_all = x.new_empty(b * l, spec.steps * lay.q_rows)
-    wo_all = x.new_empty(h, spec.steps * lay.q_rows)
+    wo_all = x.new_empty(spec.steps * lay.q_rows, h)
     owners: list[OwnerSaved] = []
     groups: list[GroupSaved] = []
     kv: GatheredKV | None = None
     replaying = spec.stash is not None and spec.stash.replaying  # recompute: the kernels' outputs are known
     for j, buf in schedule_shards(spec, shard):
         view = lay.view(buf)
-        wo_all[:, j * lay.q_rows : (j + 1) * lay.q_rows] = view.w_o
+        wo_all[j * lay.q_rows : (j + 1) * lay.q_rows] = view.w_o  # a block of whole rows
         first = lay.starts_group(j)
         p = project_qkv(spec, view, x2, norms, b, l, with_kv=first)
         if first:
@@ -601,7 +622,7 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
         o_all[:, j * lay.q_rows : (j + 1) * lay.q_rows] = o.view(b * l, lay.q_rows)
         if save:
             owners.append(OwnerSaved(q, o, lse, p.q_raw if spec.qk_norm else None))
-    y = o_all @ wo_all.T
+    y = o_all @ wo_all
     return y.view(b, l, h), owners, groups
 
 
@@ -652,14 +673,16 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
     b, l, h = x.shape
     x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
+    dx = torch.empty(b * l, h, dtype=acc_dtype, device=x.device)  # the first step's GEMM writes it whole
     d_norms = [torch.zeros(lay.head_dim, dtype=acc_dtype, device=x.device) for _ in norms]
     own = spec.layout  # this rank's (owner) layout; ``lay`` is one step's (several owners' with shard grouping)
     replicated = own.kv_replicas > 1
     kv_grads = torch.zeros(tsp.size // own.kv_replicas, own.kv_numel, dtype=acc_dtype, device=x.device) \
         if replicated else None
     nq, nkv = lay.n_heads, lay.n_kv_heads
-    owner = GroupReduce(tsp, spec.group)  # each step's partial back to its owner(s), in their layout
+    zero_copy = own.zero_copy_grouping(spec.group)
+    # each step's partial back to its owner(s), in their layout (piece by piece from the grouped layout)
+    owner = GroupReduce(tsp, spec.group, pieces=own.group_pieces(spec.group) if zero_copy else None)
     kv: GatheredKV | None = None
     dg_acc: list[Tensor | None] = []
     for j, buf in schedule_shards(spec, shard):
@@ -670,8 +693,8 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
             dg_acc = [None] * len(grp.blocks)
         partial = torch.empty(lay.numel, dtype=acc_dtype, device=x.device)
         grad = lay.view(partial)
-        matmul_into(grad.w_o, dy2.T, s.o.view(b * l, lay.q_rows))  # d Wo_j
-        do = (dy2 @ view.w_o).view(b, l, nq, lay.head_dim)
+        matmul_into(grad.w_o, s.o.view(b * l, lay.q_rows).T, dy2)  # d Wo_j^T
+        do = (dy2 @ view.w_o.T).view(b, l, nq, lay.head_dim)
         dqkv = torch.empty(b, l, nq + 2 * nkv, lay.head_dim, dtype=x.dtype, device=x.device)
         with_kv = lay.ends_group(j)  # the group's dK/dV are complete after this owner's queries
         dk = torch.empty(b, l, nkv, lay.head_dim, dtype=x.dtype, device=x.device) if with_kv else None
@@ -688,7 +711,7 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
             dqkv[:, :, nq : nq + nkv] = dk
         rows = lay.qkv_rows if with_kv else lay.q_rows
         dqkv2 = dqkv.view(b * l, lay.qkv_rows)[:, :rows]
-        add_matmul_(dx, dqkv2, view.w_qkv[:rows])  # one GEMM for the q (and k, v) input gradients
+        (matmul_into if j == 0 else add_matmul_)(dx, dqkv2, view.w_qkv[:rows])  # q (and k, v) input gradients
         matmul_into(grad.w_qkv[:rows], dqkv2.T, x2)  # d Wq_j (, d Wk_j, d Wv_j)
         if grad.b_qkv is not None:
             torch.sum(dqkv2, 0, dtype=acc_dtype, out=grad.b_qkv[:rows])
@@ -705,7 +728,7 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
             for t in (w, bias):
                 if t is not None:
                     t.zero_()
-        owner.submit(j, own.ungroup(partial, spec.group))
+        owner.submit(j, partial if zero_copy else own.ungroup(partial, spec.group))
     d_shard = owner.result()
     if replicated:  # one all-reduce: every replica of a KV head gets the same bits
         all_reduce_sum(kv_grads, tsp)
@@ -724,7 +747,7 @@ class BroadcastAttention(torch.autograd.Function):
     def forward(ctx, x, cos, sin, spec: _AttnSpec, *params):
         n_sharded = len(spec.layout.shapes())
         sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
-        shard = pack(list(sharded), x.dtype)  # one message per owner: weights travel in the compute dtype
+        shard = spec.layout.pack(list(sharded), x.dtype)  # one message per owner, in the compute dtype
         y, owners, groups = broadcast_attention(spec, x, cos, sin, shard, norms)
         del shard
         ctx.spec, ctx.n_sharded, ctx.counts = spec, n_sharded, (len(owners), len(groups))
@@ -740,9 +763,9 @@ class BroadcastAttention(torch.autograd.Function):
         sharded, norm_params = params[:n_sharded], params[n_sharded:]
         owners, groups = _unflatten_saved(flat, *ctx.counts, len(spec.buckets()))
         norms = [w.to(x.dtype) for w in norm_params]
-        shard = pack(list(sharded), x.dtype)
+        shard = spec.layout.pack(list(sharded), x.dtype)
         dx, d_shard, d_norms = broadcast_attention_backward(spec, dy, x, cos, sin, shard, norms, owners, groups)
-        d_sharded = [g.to(w.dtype) for g, w in zip(unpack(d_shard, [w.shape for w in sharded]), sharded)]
+        d_sharded = spec.layout.unpack_grads(d_shard, list(sharded))
         d_norm_params = [g.to(w.dtype) for g, w in zip(d_norms, norm_params)]
         return (dx.to(x.dtype), None, None, None, *d_sharded, *d_norm_params)
 

@@ -97,16 +97,16 @@ class RingMLP(torch.autograd.Function):
         f = w_gate.shape[0]
         x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
+        dx = torch.empty(b * l, h, dtype=acc_dtype, device=x.device)  # the first step's GEMM writes it whole
         local = pack_shard(w_gate, w_up, w_down, x.dtype)
         # the accumulator of a shard's gradient travels with it: [dWg; dWu] [2F/D, h], then dWd [h, F/D]
         ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype, in_place=True)
-        for s, buf, take in ring:
+        for t, (s, buf, take) in enumerate(ring):
             w_gu = buf[: 2 * f * h].view(2 * f, h)
             wd_t = buf[2 * f * h :].view(f, h)  # Wd_s^T
             gu = x2 @ w_gu.T if ctx.recompute else saved[s]
             d_gu, hid = swiglu_backward(gu, dy2 @ wd_t.T)
-            add_matmul_(dx, d_gu, w_gu)  # one GEMM for both input gradients
+            (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)  # one GEMM for both input gradients
             acc, fresh = take()  # the left neighbour's sum for shard s arrives while the GEMMs above run
             acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
             add = matmul_into if fresh else add_matmul_  # first step: the GEMMs write the whole accumulator

@@ -161,13 +161,20 @@ def _kv_exchanges(shape: ModelShape, D: int, sg: int) -> int:
     return min(D // sg, tsp_kv_groups(shape, D))
 
 
-def _owner_weights(t: dict, D: int, sg: int, numel: int, elem: int, by: bool, one: str, grouped: str) -> None:
+SHARD_PIECES = 4  # Wq, Wk, Wv, Wo^T: the packed attention shard's pieces (no biases in this model)
+
+
+def _owner_weights(t: dict, D: int, sg: int, numel: int, elem: int, by: bool, one: str, grouped: str,
+                   in_place: bool = False) -> None:
     """D owners' shards: one ``one`` op each (broadcast / reduce), or one ``grouped`` op (all-gather /
-    reduce-scatter) of all D when the group is the whole TSP group. Bytes are the same either way."""
+    reduce-scatter) of all D when the group is the whole TSP group. Bytes are the same either way. ``in_place``
+    (shard groups g > 1 of distinct KV heads, ``HeadLayout.zero_copy_grouping``): one op per packed piece instead,
+    each moving that piece straight into the grouped layout."""
+    calls = SHARD_PIECES if in_place and sg > 1 else 1
     if sg == D:
-        t[grouped] = t.get(grouped, 0) + (D * numel * elem if by else 1)
+        t[grouped] = t.get(grouped, 0) + (D * numel * elem if by else calls)
     else:
-        t[one] = t.get(one, 0) + D * (numel * elem if by else 1)
+        t[one] = t.get(one, 0) + D * (numel * elem if by else calls)
 
 
 def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, what: What, mlp: bool = True,
@@ -175,7 +182,8 @@ def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, w
     t = _empty()
     f = t["forward"]
     by = what == "bytes"
-    _owner_weights(f, D, sg, tsp_attn_shard_numel(shape, D), w_bytes, by, "broadcast", "all_gather_into_tensor")
+    _owner_weights(f, D, sg, tsp_attn_shard_numel(shape, D), w_bytes, by, "broadcast", "all_gather_into_tensor",
+                   in_place=tsp_kv_groups(shape, D) == D)
     # per KV exchange: one all-gather per zigzag half; every KV group's K/V once
     g, e = tsp_kv_groups(shape, D), _kv_exchanges(shape, D, sg)
     f["all_gather_into_tensor"] += (g * tsp_kv_gather_numel(shape, B, S, D) * w_bytes) if by else 2 * e
@@ -283,11 +291,11 @@ def tsp_layer_collectives(
     kv = tsp_kv_gather_numel(shape, B, S, D)
     bwd = _empty()
     b = bwd["backward"]
-    _owner_weights(b, D, sg, attn, w_bytes, by, "broadcast", "all_gather_into_tensor")
     g, e = tsp_kv_groups(shape, D), _kv_exchanges(shape, D, sg)
+    _owner_weights(b, D, sg, attn, w_bytes, by, "broadcast", "all_gather_into_tensor", in_place=g == D)
     b["all_gather_into_tensor"] += g * kv * w_bytes if by else 2 * e
     b["reduce_scatter_tensor"] = g * kv * G_BYTES if by else 2 * e
-    _owner_weights(b, D, sg, attn, G_BYTES, by, "reduce", "reduce_scatter_tensor")
+    _owner_weights(b, D, sg, attn, G_BYTES, by, "reduce", "reduce_scatter_tensor", in_place=g == D)
     b["all_reduce"] = 2 * (shape.hidden_size * G_BYTES if by else 1)
     if g < D:  # replicated KV heads: their weight gradients summed over the group, one all-reduce
         b["all_reduce"] += (shape.n_kv_heads * 2 * shape.hd * shape.hidden_size * G_BYTES) if by else 1
@@ -300,7 +308,7 @@ def tsp_layer_collectives(
         for op, v in recompute.items():
             # replayed attention outputs: the recomputation gathers no K/V (only the weights)
             if checkpointing in ATTENTION_REPLAYED and op == "all_gather_into_tensor":
-                v = 0 if sg < D else (D * attn * w_bytes if by else 1)
+                v = 0 if sg < D else (D * attn * w_bytes if by else SHARD_PIECES if g == D else 1)
             out["backward"][op] += v
     elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again
         out["backward"]["send"] += fwd["forward"]["send"]
