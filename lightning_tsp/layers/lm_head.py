@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers.embedding import _in_shard
 from lightning_tsp.schedules.comm import local_tensor
+from lightning_tsp.kernels.gemm import add_matmul_
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 from lightning_tsp.zigzag import IGNORE_INDEX
 
@@ -69,7 +70,7 @@ class RingCrossEntropy(torch.autograd.Function):
                 p.scatter_add_(1, cols[rows, None], -mask[rows, None].to(acc_dtype))  # minus one-hot
                 dlogits = (p * g[rows, None]).to(x.dtype)
                 dx[rows] += dlogits @ w
-                acc.view(v_loc, h).add_((dlogits.T @ x2[rows]).to(acc_dtype))
+                add_matmul_(acc.view(v_loc, h), dlogits.T, x2[rows])  # fp32 epilogue on CUDA
         return dx.view(b, l, h).to(x.dtype), ring.grad.view(v_loc, h).to(weight.dtype), None, None, None
 
 
