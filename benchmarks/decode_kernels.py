@@ -143,7 +143,7 @@ def profile_step(args):
             for _ in range(2):
                 dec(tok)
             torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile_rows))
 
 
 def main():
@@ -155,6 +155,7 @@ def main():
     ap.add_argument("--profile-model", default="paper-7b")
     ap.add_argument("--profile-tsp", type=int, default=8)
     ap.add_argument("--profile-len", type=int, default=2048)
+    ap.add_argument("--profile-rows", type=int, default=18, help="kernels listed in the profile table")
     args = ap.parse_args()
     kernels(args)
     if args.profile_step:
