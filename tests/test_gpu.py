@@ -97,6 +97,29 @@ def test_fp32_epilogue_gemms():
     assert rel_err(buf[512 * 384 :].view(512, 384), ref) < 1e-6 and buf[: 512 * 384].abs().max() == 0
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_gemvs_match_fp64(rows, monkeypatch):
+    """The decode step's weight products (kernels/gemv.py): the compiled reductions (bias, fp32 output, SwiGLU of
+    gate and up) against fp64, with 1 and 3 rows, and the GEMM path they replace."""
+    from lightning_tsp.kernels import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 1024, device="cuda", generator=g).bfloat16()
+    w, wu = ((0.03 * torch.randn(768, 1024, device="cuda", generator=g)).bfloat16() for _ in range(2))
+    bias = torch.randn(768, device="cuda", generator=g).bfloat16()
+    xd, wd, wud, bd = (t.double() for t in (x, w, wu, bias))
+    want = {"plain": xd @ wd.T, "bias": xd @ wd.T + bd, "swiglu": torch.nn.functional.silu(xd @ wd.T) * (xd @ wud.T)}
+    for max_rows in (rows, 0):  # the reduction, then the cuBLAS path
+        monkeypatch.setattr(gemv, "MAX_ROWS", max_rows)
+        assert gemv._reduction_runs(x, w) == (max_rows > 0)
+        got = {"plain": gemv.linear_rows(x, w, out_dtype=torch.float32), "bias": gemv.linear_rows(x, w, bias),
+               "swiglu": gemv.swiglu_rows(x, w, wu)}
+        assert got["plain"].dtype == torch.float32 and got["bias"].dtype == got["swiglu"].dtype == torch.bfloat16
+        assert got["plain"].shape == (rows, 768) and got["plain"].is_contiguous()
+        assert rel_err(got["plain"], want["plain"]) < 1e-5  # fp32 accumulation, fp32 output
+        assert rel_err(got["bias"], want["bias"]) < 1e-2 and rel_err(got["swiglu"], want["swiglu"]) < 1e-2
+
+
 def check_bf16_autocast_against_fp64(cfg: ModelConfig, grad_rtol, attention_kernel: str = "auto") -> None:
     """The model at D = 1 under bf16 autocast on the GPU (fp32 master weights) against the fp64 CPU model: loss
     within 1%, every gradient fp32 and within ``grad_rtol(name)`` (relative L2)."""

@@ -41,7 +41,8 @@ from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, all_to_all
 from lightning_tsp.inference.vocab import acc_dtype, embed_tokens, local_logits
 from lightning_tsp.layers.attention import kv_block, project_qkv
-from lightning_tsp.kernels.gemm import matmul_into
+from lightning_tsp.kernels.fused import compiled_on_cuda
+from lightning_tsp.kernels.gemv import linear_rows, swiglu_rows
 from lightning_tsp.kernels.grouped import ExpertGroups, grouped_gemm_works
 from lightning_tsp.layers.moe import TSPMoE, experts_forward
 from lightning_tsp.layers.norm import rms_norm
@@ -65,24 +66,7 @@ def partial_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[T
     return o.reshape(b, hq, d), lse.reshape(b, hq)
 
 
-def _on_cuda_compiled(fn):
-    """``fn`` compiled by inductor (static shapes) when called on CUDA tensors, as it is elsewhere: the decode
-    step's elementwise pieces become one kernel each instead of several."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args):
-        nonlocal compiled
-        if not args[0].is_cuda:
-            return fn(*args)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=False)
-        return compiled(*args)
-
-    return call
-
-
-@_on_cuda_compiled
+@compiled_on_cuda
 def _softmax_stats(s: Tensor, slot_pos: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """fp32 scores [B, Hkv, g, T] -> (probabilities in ``dtype`` normalised by this slice's softmax, lse [B, Hkv, g])."""
     s = (s * scale).masked_fill((slot_pos < 0)[:, None, None, :], float("-inf"))
@@ -133,35 +117,30 @@ def merge_partials(o: Tensor, lse: Tensor) -> Tensor:
     return (torch.exp(lse - total).unsqueeze(-1) * o).sum(0)
 
 
-@_on_cuda_compiled
+@compiled_on_cuda
 def _rope_pack(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """[B, 1, n, d] heads -> [B, nq + 2 nkv, d]: RoPE'd q, then the K/V block a cache stores (RoPE'd k, v)."""
     return torch.cat([apply_rope(q, cos, sin), kv_block(k, v, cos, sin)], dim=2)[:, 0]
 
 
-@_on_cuda_compiled
+@compiled_on_cuda
 def _merge_heads(recv: Tensor, dtype: torch.dtype) -> Tensor:
     """[D, B, n, d + 1] partials (o, lse) of my heads from every rank -> merged [B, n d] in ``dtype``."""
     o = merge_partials(recv[..., :-1], recv[..., -1])
     return o.reshape(o.shape[0], -1).to(dtype)
 
 
-@_on_cuda_compiled
+@compiled_on_cuda
 def _add_norm(x: Tensor, y: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """The residual add (y in the accumulation dtype, cast here) and the next RMSNorm: (x + y, rms_norm(x + y))."""
     x = x + y.to(x.dtype)
     return x, rms_norm(x, w, eps)
 
 
-@_on_cuda_compiled
-def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    return F.silu(gate) * up
-
-
 def _partial_out(a: Tensor, w: Tensor) -> Tensor:
-    """a @ w.T [B, h]: a rank's partial of a sum over the group, in the accumulation dtype (on CUDA cuBLAS writes the
-    fp32 product itself: no cast kernel before the all-reduce, none after it; :func:`_add_norm` casts)."""
-    return matmul_into(a.new_empty(a.shape[0], w.shape[0], dtype=acc_dtype(a.dtype)), a, w.T)
+    """a @ w.T [B, h]: a rank's partial of a sum over the group, in the accumulation dtype (on CUDA the fp32 product
+    itself: no cast kernel before the all-reduce, none after it; :func:`_add_norm` casts)."""
+    return linear_rows(a, w, out_dtype=acc_dtype(a.dtype))
 
 
 def _sum_over_group(y: Tensor, tsp) -> Tensor:
@@ -197,7 +176,7 @@ def attention_decode(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
 def _mlp_partial(mlp, x: Tensor) -> Tensor:
     """The owned columns of a dense SwiGLU on x [B, h]: a partial [B, h] of the output (accumulation dtype)."""
     wg, wu, wd = (local_tensor(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    return _partial_out(_swiglu(x @ wg.T, x @ wu.T), wd)
+    return _partial_out(swiglu_rows(x, wg, wu), wd)
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_
+from lightning_tsp.kernels.gemv import linear_rows
 from lightning_tsp.schedules.comm import local_tensor
 
 
@@ -42,7 +43,7 @@ def lm_head_weight(model) -> Tensor:
 def local_logits(model, hidden: Tensor) -> Tensor:
     """Final-norm hidden [B, h] (replicated) -> this rank's logits [B, V/D] in fp32 (fp64 stays fp64)."""
     w = lm_head_weight(model)
-    return (hidden.to(w.dtype) @ w.T).to(acc_dtype(w.dtype))
+    return linear_rows(hidden.to(w.dtype), w, out_dtype=acc_dtype(w.dtype))
 
 
 def vocab_offset(model) -> int:

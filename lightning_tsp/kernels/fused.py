@@ -89,6 +89,26 @@ def fused_on_cuda(tokens: Callable[[torch.Tensor], int]) -> Callable[[F], F]:
     return wrap
 
 
+def compiled_on_cuda(fn: F) -> F:
+    """``fn`` compiled by Inductor (static shapes) whenever its first argument is a CUDA tensor, eager otherwise:
+    for the decode step's small pieces, which are captured in a CUDA graph after eager warm-up steps (so the host
+    cost of a compiled call is paid only then)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=False)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # one variant per weight shape
+            return compiled(*args)
+
+    call.eager = fn
+    return call  # type: ignore[return-value]
+
+
 def rows(x: torch.Tensor) -> int:
     """Tokens of a [..., features] tensor (every dimension but the last)."""
     return x.numel() // max(x.shape[-1], 1)

@@ -26,6 +26,7 @@ from lightning_tsp.layers.rope import apply_rope, apply_rope_backward
 from lightning_tsp.planning.grouping import choose_shard_group, step_kv_heads, valid_shard_groups
 from lightning_tsp.schedules.broadcast import GroupReduce, gather_shard_groups
 from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
+from lightning_tsp.kernels.gemv import linear_rows
 from lightning_tsp.schedules.comm import (
     all_gather,
     all_reduce_sum,
@@ -448,18 +449,11 @@ def project_qkv(spec: _AttnSpec, view: ShardView, x2: Tensor, norms, b: int, l: 
         qkv = qkv.view(b, l, -1, lay.head_dim)
         q_raw = qkv[:, :, :nq]
         k_raw, v = (qkv[:, :, nq : nq + nkv], qkv[:, :, nq + nkv :]) if with_kv else (None, None)
-    else:  # the owner's own q/k/v parameters (decoding: a few tokens, the weights stay where they are): one GEMM
-        # each, written into consecutive blocks of one buffer (no concatenation)
+    else:  # the owner's own q/k/v parameters (decoding: a few tokens, the weights stay where they are): one
+        # weight-bandwidth-bound product each (lightning_tsp.kernels.gemv), bias included
         n = 3 if with_kv else 1
-        ws = view.w_qkv[:n]
         biases = (None,) * n if view.b_qkv is None else view.b_qkv[:n]
-        flat = x2.new_empty(x2.shape[0] * sum(w.shape[0] for w in ws))
-        parts, start = [], 0
-        for w, bb in zip(ws, biases):
-            out = flat[start : start + x2.shape[0] * w.shape[0]].view(x2.shape[0], w.shape[0])
-            torch.mm(x2, w.T, out=out) if bb is None else torch.addmm(bb, x2, w.T, out=out)
-            parts.append(out.view(b, l, -1, lay.head_dim))
-            start += out.numel()
+        parts = [linear_rows(x2, w, bb).view(b, l, -1, lay.head_dim) for w, bb in zip(view.w_qkv[:n], biases)]
         q_raw, k_raw, v = (parts + [None, None])[:3]
     if not spec.qk_norm:
         return Projection(q_raw, k_raw, q_raw, k_raw, v)
