@@ -10,30 +10,13 @@ of 20 replays, and the weight bytes over that time.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
-import torch.nn.functional as F
-
-
-def _time(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main() -> None:
     import torch._inductor.config as inductor_config
 
+    from benchmarks.decode_kernels import bench
     from lightning_tsp.kernels import gemv
     from lightning_tsp.kernels.gemm import matmul_into
 
@@ -42,7 +25,6 @@ def main() -> None:
                   d=(4096, 2048))
     layers = [{n: torch.randn(*s, device=dev, dtype=bf) for n, s in shapes.items()} for _ in range(32)]
     nbytes = sum(w.numel() * 2 for layer in layers for w in layer.values())
-    swiglu = torch.compile(lambda a, b: F.silu(a) * b, dynamic=False)
     print(torch.cuda.get_device_name())
     for rows in (1, 4):
         x, xo, xd = (torch.randn(rows, k, device=dev, dtype=bf) for k in (4096, 512, 2048))
@@ -52,7 +34,7 @@ def main() -> None:
                     for w in layers:
                         x @ w["q"].T, x @ w["k"].T, x @ w["v"].T
                         matmul_into(x.new_empty(rows, 4096, dtype=torch.float32), xo, w["o"].T)
-                        swiglu(x @ w["g"].T, x @ w["u"].T)
+                        gemv._swiglu(x @ w["g"].T, x @ w["u"].T)  # what decoding ran before
                         matmul_into(x.new_empty(rows, 4096, dtype=torch.float32), xd, w["d"].T)
             else:
                 gemv.MAX_ROWS = rows  # the reduction path at this row count
@@ -71,7 +53,7 @@ def main() -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
-            t = _time(graph.replay)
+            t = bench(graph.replay) * 1e3  # ms
             print(f"rows={rows} {variant}: {t:.3f} ms for {nbytes / 1e9:.2f} GB of weights "
                   f"({nbytes / t / 1e6:.0f} GB/s)", flush=True)
 

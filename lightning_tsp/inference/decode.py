@@ -34,7 +34,6 @@ import math
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tsp.inference.cache import KVCache

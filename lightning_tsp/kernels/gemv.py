@@ -24,8 +24,8 @@ MAX_ROWS = 1
 
 
 def _dot_rows(x: Tensor, w: Tensor) -> Tensor:
-    """x [B, K], w [N, K] -> x w^T [B, N] in fp32, as a reduction over K with the B rows innermost (each weight row
-    read once for all of them)."""
+    """x [B, K], w [N, K] -> x w^T [B, N] in fp32, as a reduction over K (output [N, B], the B rows innermost, then
+    transposed)."""
     return (w[:, None, :].float() * x[None, :, :].float()).sum(-1).T
 
 
