@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_tsp.kernels.fused import compiled_at_any_length as _graphed_region
 from lightning_tsp.layers.attention import AttentionStash
-from lightning_tsp.offload import stashing
+from lightning_tsp.offload import rerunning, stashing
 from lightning_tsp.schedules.comm import local_tensor
 
 GRAPHED_CHECKPOINTING = ("full", "keep-attention")  # the modes whose layers are graphed
@@ -189,7 +189,7 @@ class LayerGraphs:
             enabled, dtype = self.autocast
             cos, sin = (self.cos, self.sin) if self.cos is not None else (e.cos, e.sin)
             with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled), \
-                    stashing(layer, stash), _graphed_region(), self._graph(g):
+                    rerunning(layer, stash), _graphed_region(), self._graph(g):
                 y, _ = torch.func.functional_call(layer, dict(zip(names, leaves)), (x, cos, sin, None))
                 grads = torch.autograd.grad(y, [x] + leaves, dy)
                 if g is not None:  # into the shared buffers: the graph's own results are freed for the next captures

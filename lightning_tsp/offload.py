@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_tsp.layers.attention import AttentionStash, TSPAttention
+from lightning_tsp.layers.mlp import TSPGatedMLP
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -101,7 +102,8 @@ class StashChain:
     outputs, kept on the ``"device"`` or in ``"host"`` memory. A layer's backward prefetches the stash of the layer
     before it (the next backward), so its host-to-device copies overlap this layer's recomputation."""
 
-    MODES = {"keep-attention": ("device", True), "offload": ("host", True), "full-offload": ("host", False)}
+    MODES = {"full": ("device", False), "keep-attention": ("device", True), "offload": ("host", True),
+             "full-offload": ("host", False)}
 
     def __init__(self, place: str, attention: bool = True):
         if place not in ("device", "host"):
@@ -127,6 +129,23 @@ def stashing(layer: nn.Module, stash: AttentionStash | None):
         yield
     finally:
         attn.stash = None
+
+
+@contextlib.contextmanager
+def rerunning(layer: nn.Module, stash: AttentionStash | None):
+    """A checkpointed layer's re-run in backward: :func:`stashing`, and the gated MLP told that only its gradients
+    are wanted (its output is never read: :class:`lightning_tsp.layers.mlp.RingMLP` skips the forward ring)."""
+    mlp = getattr(layer, "mlp", None)
+    mlp = mlp if isinstance(mlp, TSPGatedMLP) else None
+    with stashing(layer, stash):
+        if mlp is None:
+            yield
+            return
+        mlp.gradients_only = True
+        try:
+            yield
+        finally:
+            mlp.gradients_only = False
 
 
 def _tensors(out) -> tuple[Tensor | None, ...]:
@@ -175,7 +194,7 @@ class StashedCheckpoint(torch.autograd.Function):
             stash.replaying = True
         dev = x.device.type
         enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), stashing(ctx.layer, stash):
+        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), rerunning(ctx.layer, stash):
             y = ctx.layer(x, *args)
         assert stash is None or not stash.items, "the recomputation did not replay every attention output"
         pairs = [(t, g) for t, g in zip(_tensors(y), grads) if t is not None and g is not None and t.requires_grad]

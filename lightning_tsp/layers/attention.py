@@ -743,6 +743,8 @@ class BroadcastAttention(torch.autograd.Function):
         sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
         shard = spec.layout.pack(list(sharded), x.dtype)  # one message per owner, in the compute dtype
         y, owners, groups = broadcast_attention(spec, x, cos, sin, shard, norms)
+        # a checkpointed layer's re-run: its backward follows at once and sends the same shard (not cast again)
+        ctx.shard = shard if spec.stash is not None and spec.stash.replaying else None
         del shard
         ctx.spec, ctx.n_sharded, ctx.counts = spec, n_sharded, (len(owners), len(groups))
         ctx.save_for_backward(x, cos, sin, *params, *_flatten_saved(owners, groups))
@@ -757,7 +759,9 @@ class BroadcastAttention(torch.autograd.Function):
         sharded, norm_params = params[:n_sharded], params[n_sharded:]
         owners, groups = _unflatten_saved(flat, *ctx.counts, len(spec.buckets()))
         norms = [w.to(x.dtype) for w in norm_params]
-        shard = spec.layout.pack(list(sharded), x.dtype)
+        shard, ctx.shard = ctx.shard, None
+        if shard is None:
+            shard = spec.layout.pack(list(sharded), x.dtype)
         dx, d_shard, d_norms = broadcast_attention_backward(spec, dy, x, cos, sin, shard, norms, owners, groups)
         d_sharded = spec.layout.unpack_grads(d_shard, list(sharded))
         d_norm_params = [g.to(w.dtype) for g, w in zip(d_norms, norm_params)]

@@ -11,6 +11,11 @@ activations for it); ``"recompute"`` saves nothing but the input: the forward ad
 into an fp32 output as the shard passes ([B*L, h] fp32), and backward re-runs each shard's gate/up GEMM when the
 shard comes round again (one more [B*L, h] x [h, 2F/D] GEMM per shard). At long contexts the kept pre-activations
 and the activation buffer are the largest tensors of a layer (4x and 2x the layer input per token for F = 4h).
+
+A checkpointed layer re-run in backward (``keep-attention``, ``offload``, ``full-offload``) needs the MLP's
+gradients, never its output: there the forward ring does not run at all and backward takes the ``"recompute"``
+path (each shard's gate/up GEMM once, in the backward ring). The re-run saves the down-projection GEMM, the
+SwiGLU, one cast of the weights and one ring of weight traffic per layer, and keeps no pre-activations.
 """
 
 from __future__ import annotations
@@ -50,18 +55,26 @@ MLP_ACTIVATIONS = ("keep", "recompute")
 
 
 def pack_shard(w_gate: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype) -> Tensor:
-    """The ring's message for one shard: ``[Wg; Wu]`` [2F/D, h] (one GEMM), then ``Wd^T`` [F/D, h], so that the
-    shards' down projections stack into the [F, h] operand of one output GEMM by contiguous row blocks."""
-    return pack([w_gate, w_up, w_down.T], dtype)
+    """The ring's message for one shard: ``[Wg; Wu]`` [2F/D, h] (one GEMM), then ``Wd`` [h, F/D] as stored: every
+    piece a straight (vectorised) cast, no transposing pass over the weights."""
+    return pack([w_gate, w_up, w_down], dtype)
 
 
 class RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup, recompute: bool = False):
+    def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup, recompute: bool = False, gradients_only: bool = False,
+                save: bool = True):
+        """``gradients_only``: a checkpointed layer's re-run (see the module docstring); ``save``: False where no
+        backward will come (no grad mode: a checkpointed layer's first forward), so "keep" holds no pre-activations."""
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
         f = w_gate.shape[0]  # F/D
-        ctx.tsp, ctx.recompute = tsp, recompute
+        ctx.tsp, ctx.recompute = tsp, recompute or gradients_only
+        if gradients_only:
+            # a checkpointed layer's re-run in backward: its output is never read, only differentiated, so the
+            # forward ring does not run; backward recomputes each shard's gate/up as the shard comes round
+            ctx.save_for_backward(x, w_gate, w_up, w_down)
+            return x.new_zeros(()).expand(b, l, h)
         if recompute:
             # each shard's down projection added into one fp32 output as the shard passes; nothing kept per shard
             y = torch.empty(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
@@ -69,22 +82,22 @@ class RingMLP(torch.autograd.Function):
             for t, (_, buf) in enumerate(ring_shards(tsp, pack_shard(w_gate, w_up, w_down, x.dtype))):
                 gu = x2 @ buf[: 2 * f * h].view(2 * f, h).T
                 swiglu_into(gu, act)
-                (matmul_into if t == 0 else add_matmul_)(y, act, buf[2 * f * h :].view(f, h))
+                (matmul_into if t == 0 else add_matmul_)(y, act, buf[2 * f * h :].view(h, f).T)
                 del gu
             ctx.save_for_backward(x, w_gate, w_up, w_down)
             return y.to(x.dtype).view(b, l, h)
-        # each shard's activations and down-projection rows land in one [B*L, F] / [F, h] pair: the outputs
+        # each shard's activations and down-projection columns land in one [B*L, F] / [h, F] pair: the outputs
         # accumulate in ONE down-projection GEMM at the end (full K, fp32 inside the GEMM), not D thin ones
         act_all = x.new_empty(b * l, tsp.size * f)
-        wd_all = x.new_empty(tsp.size * f, h)
+        wd_all = x.new_empty(h, tsp.size * f)
         saved = [None] * tsp.size  # gate|up pre-activations [B*L, 2F/D], indexed by shard
         for s, buf in ring_shards(tsp, pack_shard(w_gate, w_up, w_down, x.dtype)):
             w_gu = buf[: 2 * f * h].view(2 * f, h)  # gate and up rows are consecutive: one GEMM
-            wd_all[s * f : (s + 1) * f] = buf[2 * f * h :].view(f, h)  # a contiguous block copy
+            wd_all[:, s * f : (s + 1) * f] = buf[2 * f * h :].view(h, f)  # a block of whole rows of F/D
             gu = x2 @ w_gu.T
             swiglu_into(gu, act_all[:, s * f : (s + 1) * f])
-            saved[s] = gu
-        y = act_all @ wd_all
+            saved[s] = gu if save else None
+        y = act_all @ wd_all.T
         del act_all, wd_all
         ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
         return y.view(b, l, h)
@@ -103,9 +116,9 @@ class RingMLP(torch.autograd.Function):
         ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype, in_place=True)
         for t, (s, buf, take) in enumerate(ring):
             w_gu = buf[: 2 * f * h].view(2 * f, h)
-            wd_t = buf[2 * f * h :].view(f, h)  # Wd_s^T
+            wd = buf[2 * f * h :].view(h, f)  # Wd_s
             gu = x2 @ w_gu.T if ctx.recompute else saved[s]
-            d_gu, hid = swiglu_backward(gu, dy2 @ wd_t.T)
+            d_gu, hid = swiglu_backward(gu, dy2 @ wd)
             (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)  # one GEMM for both input gradients
             acc, fresh = take()  # the left neighbour's sum for shard s arrives while the GEMMs above run
             acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
@@ -114,7 +127,7 @@ class RingMLP(torch.autograd.Function):
             add(acc_d, dy2.T, hid)
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
         d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
-        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None)
+        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None, None, None)
 
 
 class TSPGatedMLP(nn.Module):
@@ -128,6 +141,8 @@ class TSPGatedMLP(nn.Module):
         if activations not in MLP_ACTIVATIONS:
             raise ValueError(f"activations={activations!r}; choose one of {MLP_ACTIVATIONS}")
         self.tsp, self.recompute = tsp, activations == "recompute"
+        # set while a checkpointed layer is re-run in backward (:func:`lightning_tsp.offload.rerunning`)
+        self.gradients_only = False
         f = intermediate_size // tsp.size
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, f, **kw)
@@ -138,4 +153,5 @@ class TSPGatedMLP(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
             w = [local_tensor(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
-            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute)
+            grad = torch.is_grad_enabled()
+            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute, self.gradients_only and grad, grad)

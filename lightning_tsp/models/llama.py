@@ -374,15 +374,14 @@ class TSPLlama(nn.Module):
         graphs = self._graphs_for(x, cos, documents) if self._graphed(x, mode, documents) else None
         if graphs is not None:
             cos, sin = graphs.begin_step(cos, sin)
-        # keep-attention / offload: the layer input and the attention outputs, on the GPU / in pinned host memory;
-        # full-offload: the layer input only, in pinned host memory
+        # full: the layer input on the GPU, the whole layer (and its traffic) re-run in backward; keep-attention /
+        # offload: the layer input and the attention outputs, on the GPU / in pinned host memory; full-offload: the
+        # layer input only, in pinned host memory
         chain = StashChain.for_mode(mode)
         for i, layer in enumerate(self.model.layers):
             if graphs is not None:  # captured once, replayed every step (lightning_tsp.graphs)
                 x, stats = graphs(i, x, cos, sin), None
-            elif mode == "full":  # keep only the layer input; re-run the whole layer (and its traffic) in backward
-                x, stats = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
-            elif chain is not None:  # as full, keeping what the chain keeps where it keeps it
+            elif chain is not None:  # checkpointed, keeping what the chain keeps where it keeps it
                 x, stats = stashed_checkpoint(layer, chain, x, cos, sin, documents)
             else:
                 x, stats = layer(x, cos, sin, documents, checkpoint_mlp=mode == "selective")

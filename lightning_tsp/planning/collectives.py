@@ -265,8 +265,9 @@ def tsp_layer_collectives(
     not saved), 2G dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad
     all-reduces of h fp32 (+ one of the replicated K/V weight gradients when G < D), D-1 MLP weight sends
     (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
-    backward (one more forward's worth); "keep-attention" and "offload" the same without the K/V all-gathers (the
-    attention outputs are replayed); "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
+    backward (one more forward's worth, less the dense MLP ring, whose output the re-run never reads);
+    "keep-attention" and "offload" the same without the K/V all-gathers (the attention outputs are replayed);
+    "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
     ``moe``: an MoE layer: the MLP ring's sends are replaced by :func:`tsp_moe_mlp_collectives` with
     ``expert_schedule``.
     ``shard_group`` (g, or ``"auto"`` as the model resolves it): g owners per broadcast-schedule step. The bytes
@@ -309,6 +310,8 @@ def tsp_layer_collectives(
             # replayed attention outputs: the recomputation gathers no K/V (only the weights)
             if checkpointing in ATTENTION_REPLAYED and op == "all_gather_into_tensor":
                 v = 0 if sg < D else (D * attn * w_bytes if by else SHARD_PIECES if g == D else 1)
+            if op == "send" and not moe:  # the re-run skips the MLP ring (its output is never read)
+                v = 0
             out["backward"][op] += v
     elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again
         out["backward"]["send"] += fwd["forward"]["send"]

@@ -580,8 +580,15 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
     mem = memory_breakdown(shape, layout, p, B, S, checkpointing, schedule)
     comm = communication(shape, layout, p, B, S, checkpointing, schedule or "ring")
     tf = training_flops(shape, B, S, checkpointing)
-    if layout.strategy == "tsp" and shape.mlp_activations == "recompute":  # backward re-runs the gate/up GEMMs
-        extra = 2 * B * S * shape.hidden_size * 2 * shape.intermediate_size * (shape.n_layers - shape.n_moe_layers)
+    if layout.strategy == "tsp":
+        # unit: one [h x F] GEMM of every dense MLP over the micro-batch. A layer re-run in backward skips the
+        # MLP's forward (gate, up, down: 3 units) and the backward ring re-runs gate/up (2 units): -1 unit. With
+        # no re-run, mlp_activations="recompute" adds that backward gate/up (+2 units).
+        unit = 2 * B * S * shape.hidden_size * shape.intermediate_size * (shape.n_layers - shape.n_moe_layers)
+        if checkpointing in C.RECOMPUTING:
+            extra = -unit
+        else:
+            extra = 2 * unit if shape.mlp_activations == "recompute" else 0
         tf = {**tf, "hardware": tf["hardware"] + extra, "hardware_matmul": tf["hardware_matmul"] + extra}
     mp = layout.model_parallel
     flops = {k: tf[k] / mp for k in ("model", "hardware", "hardware_matmul", "hardware_attention")}
