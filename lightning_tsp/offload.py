@@ -133,19 +133,22 @@ def stashing(layer: nn.Module, stash: AttentionStash | None):
 
 @contextlib.contextmanager
 def rerunning(layer: nn.Module, stash: AttentionStash | None):
-    """A checkpointed layer's re-run in backward: :func:`stashing`, and the gated MLP told that only its gradients
-    are wanted (its output is never read: :class:`lightning_tsp.layers.mlp.RingMLP` skips the forward ring)."""
-    mlp = getattr(layer, "mlp", None)
+    """A checkpointed layer's re-run in backward: :func:`stashing`, the gated MLP told that only its gradients are
+    wanted (its output is never read: :class:`lightning_tsp.layers.mlp.RingMLP` skips the forward ring) and the
+    attention that its backward follows at once (it hands its weights to it: :class:`BroadcastAttention`)."""
+    mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
     mlp = mlp if isinstance(mlp, TSPGatedMLP) else None
+    attn = attn if isinstance(attn, TSPAttention) else None
     with stashing(layer, stash):
-        if mlp is None:
-            yield
-            return
-        mlp.gradients_only = True
+        for m, flag in ((mlp, "gradients_only"), (attn, "rerun")):
+            if m is not None:
+                setattr(m, flag, True)
         try:
             yield
         finally:
-            mlp.gradients_only = False
+            for m, flag in ((mlp, "gradients_only"), (attn, "rerun")):
+                if m is not None:
+                    setattr(m, flag, False)
 
 
 def _tensors(out) -> tuple[Tensor | None, ...]:

@@ -390,6 +390,7 @@ class _AttnSpec:
     stash: AttentionStash | None = None  # attention outputs recorded by a forward / replayed by its recompute
     documents: Documents | None = None  # packed documents: per-document causal attention
     group: int = 1  # shard grouping: owners whose shards the broadcast schedule runs as one step
+    rerun: bool = False  # a checkpointed layer's re-run in backward: this forward's backward follows at once
 
     @property
     def step_layout(self) -> HeadLayout:
@@ -573,12 +574,13 @@ def schedule_shards(spec: _AttnSpec, shard: Tensor) -> Iterator[tuple[int, Tenso
 
 
 def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor, norms: list[Tensor], *,
-                        kv_sink=None, save: bool = True):
+                        kv_sink=None, save: bool = True, steps: list[tuple[int, Tensor]] | None = None):
     """The broadcast schedule's forward: y [B, L, h] for local tokens x [B, L, h].
 
     ``shard``: this rank's packed head-group shard (:class:`HeadLayout`), in the compute dtype; ``cos``/``sin``
     broadcast against [B, L, n, d]. ``kv_sink(group, blocks)`` receives each KV group's local RoPE'd K/V blocks
-    (prefill writes them into its cache). Returns (y, owners, groups): what backward needs when ``save``.
+    (prefill writes them into its cache). ``steps``: the schedule's (step, shard) pairs, already gathered
+    (default: :func:`schedule_shards` of ``shard``). Returns (y, owners, groups): what backward needs when ``save``.
     """
     b, l, h = x.shape
     lay = spec.step_layout
@@ -591,7 +593,7 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
     groups: list[GroupSaved] = []
     kv: GatheredKV | None = None
     replaying = spec.stash is not None and spec.stash.replaying  # recompute: the kernels' outputs are known
-    for j, buf in schedule_shards(spec, shard):
+    for j, buf in schedule_shards(spec, shard) if steps is None else steps:
         view = lay.view(buf)
         wo_all[j * lay.q_rows : (j + 1) * lay.q_rows] = view.w_o  # a block of whole rows
         first = lay.starts_group(j)
@@ -654,8 +656,9 @@ def _rms_backward(spec, grad, raw, weight, d_weight, acc_dtype):
     return dt
 
 
-def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor,
-                                 norms: list[Tensor], owners: list[OwnerSaved], groups: list[GroupSaved]):
+def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Tensor, sin: Tensor, shard: Tensor | None,
+                                 norms: list[Tensor], owners: list[OwnerSaved], groups: list[GroupSaved],
+                                 steps: list[tuple[int, Tensor]] | None = None):
     """Backward of :func:`broadcast_attention`: (dx, d shard [layout numel], d norms), all in (at least) fp32.
 
     Shards are broadcast again; each KV group's K/V are re-gathered once (never saved); dK/dV, summed over the
@@ -679,7 +682,7 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
     owner = GroupReduce(tsp, spec.group, pieces=own.group_pieces(spec.group) if zero_copy else None)
     kv: GatheredKV | None = None
     dg_acc: list[Tensor | None] = []
-    for j, buf in schedule_shards(spec, shard):
+    for j, buf in schedule_shards(spec, shard) if steps is None else steps:
         view = lay.view(buf)
         s, grp = owners[j], groups[lay.kv_group(j)]
         if lay.starts_group(j):  # re-gathered, in flight during the o-projection gradients
@@ -742,10 +745,14 @@ class BroadcastAttention(torch.autograd.Function):
         n_sharded = len(spec.layout.shapes())
         sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
         shard = spec.layout.pack(list(sharded), x.dtype)  # one message per owner, in the compute dtype
-        y, owners, groups = broadcast_attention(spec, x, cos, sin, shard, norms)
-        # a checkpointed layer's re-run: its backward follows at once and sends the same shard (not cast again)
-        ctx.shard = shard if spec.stash is not None and spec.stash.replaying else None
-        del shard
+        # a checkpointed layer's re-run: its backward follows at once and needs the same weights. With one step
+        # (every owner's shard gathered at once) it gets the gathered shards themselves (no second all-gather),
+        # otherwise this rank's packed shard (not cast again)
+        steps = list(schedule_shards(spec, shard)) if spec.rerun and spec.steps == 1 else None
+        y, owners, groups = broadcast_attention(spec, x, cos, sin, shard, norms, steps=steps)
+        ctx.steps = steps
+        ctx.shard = shard if spec.rerun and steps is None else None
+        del shard, steps
         ctx.spec, ctx.n_sharded, ctx.counts = spec, n_sharded, (len(owners), len(groups))
         ctx.save_for_backward(x, cos, sin, *params, *_flatten_saved(owners, groups))
         return y
@@ -759,10 +766,12 @@ class BroadcastAttention(torch.autograd.Function):
         sharded, norm_params = params[:n_sharded], params[n_sharded:]
         owners, groups = _unflatten_saved(flat, *ctx.counts, len(spec.buckets()))
         norms = [w.to(x.dtype) for w in norm_params]
-        shard, ctx.shard = ctx.shard, None
-        if shard is None:
+        (shard, ctx.shard), (steps, ctx.steps) = (ctx.shard, None), (ctx.steps, None)
+        if shard is None and steps is None:
             shard = spec.layout.pack(list(sharded), x.dtype)
-        dx, d_shard, d_norms = broadcast_attention_backward(spec, dy, x, cos, sin, shard, norms, owners, groups)
+        dx, d_shard, d_norms = broadcast_attention_backward(spec, dy, x, cos, sin, shard, norms, owners, groups,
+                                                            steps=steps)
+        del shard, steps
         d_sharded = spec.layout.unpack_grads(d_shard, list(sharded))
         d_norm_params = [g.to(w.dtype) for g, w in zip(d_norms, norm_params)]
         return (dx.to(x.dtype), None, None, None, *d_sharded, *d_norm_params)
@@ -837,6 +846,7 @@ class TSPAttention(nn.Module):
             raise TSPConfigError(f"kv_bucket_heads={kv_bucket_heads}: give a positive number of KV heads or None")
         self.kv_bucket_heads = kv_bucket_heads
         self.stash: AttentionStash | None = None  # set by checkpointing="offload" around a forward / recompute
+        self.rerun = False  # set while a checkpointed layer is re-run in backward (offload.rerunning)
         self.head_dim = head_dim or hidden_size // n_heads
         replicas = kv_replicas(n_kv_heads, d)
         self.layout = HeadLayout(hidden_size, n_heads // d, n_kv_heads * replicas // d, self.head_dim, bias, replicas)
@@ -868,7 +878,7 @@ class TSPAttention(nn.Module):
              group: int = 1) -> _AttnSpec:
         kernel = select_attention_kernel(device, self.kernel_name, dtype, documents=documents is not None)
         return _AttnSpec(self.tsp, self.layout, kernel, self.qk_norm, self.norm_eps, self.kv_bucket_heads, self.stash,
-                         documents, group)
+                         documents, group, rerun=self.rerun and torch.is_grad_enabled())
 
     def step_group(self, batch: int, local_len: int, dtype: torch.dtype) -> int:
         """The shard group the broadcast schedule runs with for a [batch, local_len] block of local tokens."""

@@ -313,6 +313,8 @@ def tsp_layer_collectives(
             if op == "send" and not moe:  # the re-run skips the MLP ring (its output is never read)
                 v = 0
             out["backward"][op] += v
+        if sg == D:  # the re-run hands its gathered attention weights to the backward, which gathers none
+            out["backward"]["all_gather_into_tensor"] -= D * attn * w_bytes if by else (SHARD_PIECES if g == D else 1)
     elif checkpointing == "selective":  # the norm + MLP block is re-run: its ring sends the weights again
         out["backward"]["send"] += fwd["forward"]["send"]
     return add_tallies(out, experts)
