@@ -136,19 +136,16 @@ def rerunning(layer: nn.Module, stash: AttentionStash | None):
     """A checkpointed layer's re-run in backward: :func:`stashing`, the gated MLP told that only its gradients are
     wanted (its output is never read: :class:`lightning_tsp.layers.mlp.RingMLP` skips the forward ring) and the
     attention that its backward follows at once (it hands its weights to it: :class:`BroadcastAttention`)."""
-    mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
-    mlp = mlp if isinstance(mlp, TSPGatedMLP) else None
-    attn = attn if isinstance(attn, TSPAttention) else None
+    told = [m for m in (getattr(layer, "mlp", None), getattr(layer, "self_attn", None))
+            if isinstance(m, (TSPGatedMLP, TSPAttention))]
     with stashing(layer, stash):
-        for m, flag in ((mlp, "gradients_only"), (attn, "rerun")):
-            if m is not None:
-                setattr(m, flag, True)
+        for m in told:
+            m.rerun = True
         try:
             yield
         finally:
-            for m, flag in ((mlp, "gradients_only"), (attn, "rerun")):
-                if m is not None:
-                    setattr(m, flag, False)
+            for m in told:
+                m.rerun = False
 
 
 def _tensors(out) -> tuple[Tensor | None, ...]:

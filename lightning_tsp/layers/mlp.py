@@ -12,7 +12,7 @@ into an fp32 output as the shard passes ([B*L, h] fp32), and backward re-runs ea
 shard comes round again (one more [B*L, h] x [h, 2F/D] GEMM per shard). At long contexts the kept pre-activations
 and the activation buffer are the largest tensors of a layer (4x and 2x the layer input per token for F = 4h).
 
-A checkpointed layer re-run in backward (``keep-attention``, ``offload``, ``full-offload``) needs the MLP's
+A checkpointed layer re-run in backward (``full``, ``keep-attention``, ``offload``, ``full-offload``) needs the MLP's
 gradients, never its output: there the forward ring does not run at all and backward takes the ``"recompute"``
 path (each shard's gate/up GEMM once, in the backward ring). The re-run saves the down-projection GEMM, the
 SwiGLU, one cast of the weights and one ring of weight traffic per layer, and keeps no pre-activations.
@@ -142,7 +142,7 @@ class TSPGatedMLP(nn.Module):
             raise ValueError(f"activations={activations!r}; choose one of {MLP_ACTIVATIONS}")
         self.tsp, self.recompute = tsp, activations == "recompute"
         # set while a checkpointed layer is re-run in backward (:func:`lightning_tsp.offload.rerunning`)
-        self.gradients_only = False
+        self.rerun = False
         f = intermediate_size // tsp.size
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, f, **kw)
@@ -154,4 +154,4 @@ class TSPGatedMLP(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             w = [local_tensor(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
             grad = torch.is_grad_enabled()
-            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute, self.gradients_only and grad, grad)
+            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute, self.rerun and grad, grad)
