@@ -91,11 +91,15 @@ def _worker(rank: int, world_size: int) -> None:
     # shard grouping: one owner per step, and "auto" (all D owners at this length: one all-gather / reduce-scatter
     # of the attention shards); at D = 4 the in-between group of 2 (broadcasts, half the K/V exchanges)
     groups = (2,) if world_size == 4 else (1, "auto")
-    for (cfg, checkpointing), group in itertools.product(cases, groups):
+    runs = [(cfg, checkpointing, group, S) for (cfg, checkpointing), group in itertools.product(cases, groups)]
+    # at S = 24 every MLP sends its activation gradients to the shards' owners (mlp_grads_by_owners); at 96
+    # tokens (32-48 per rank) the fp32 accumulator is the smaller message and travels round the ring
+    runs += [(shapes_for(world_size, gqa=True, tie=False), c, 1, 96) for c in ("none", "keep-attention")]
+    for cfg, checkpointing, group, seq in runs:
         tie = cfg.tie_embeddings
         model = TSPLlama(cfg, world_tsp(), activation_checkpointing=checkpointing, dtype=torch.float32,
                          shard_group=group)
-        ids, labels = batch(cfg, B, S)
+        ids, labels = batch(cfg, B, seq)
         inputs = model.shard_batch(ids, labels)
         counter = CollectiveCounter()
         with counter.installed():
@@ -108,13 +112,14 @@ def _worker(rank: int, world_size: int) -> None:
                            n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                            intermediate_size=cfg.intermediate_size, tie_word_embeddings=tie)
         for kind in ("calls", "bytes"):
-            want = tsp_step_collectives(shape, B, S, world_size, 4, True, checkpointing, what=kind,
+            want = tsp_step_collectives(shape, B, seq, world_size, 4, True, checkpointing, what=kind,
                                         shard_group=group)
             want = _nonzero(want)
             if kind == "bytes":  # the loss all-reduces: a float64 token count and an fp32 loss sum
                 want["forward"]["all_reduce"] -= 16 - (8 + 4)
             got = counter.as_tally(kind)
-            assert got == want, f"tie={tie} ckpt={checkpointing} g={group} {kind}: counted {got} != model {want}"
+            tag = f"tie={tie} ckpt={checkpointing} g={group} S={seq} {kind}"
+            assert got == want, f"{tag}: counted {got} != model {want}"
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])

@@ -144,6 +144,14 @@ def _worker(rank: int, world_size: int) -> None:
     lean = dataclasses.replace(shapes_for(world_size, True), mlp_activations="recompute")
     check_case(lean, "none")
     check_case(lean, "full-offload", b=1)
+    # the MLP's weight gradients both ways ("auto" picks one by the call's size): the fp32 accumulator travelling
+    # with its shard, and each shard's activation gradients sent to its owner (one GEMM over all tokens there);
+    # with kept and with recomputed gate/up pre-activations, and through a checkpointed layer's re-run
+    for weight_grads in ("ring", "owners"):
+        cfg = dataclasses.replace(shapes_for(world_size, True), mlp_weight_grads=weight_grads)
+        check_case(cfg, "none")
+        check_case(cfg, "keep-attention")
+        check_case(dataclasses.replace(cfg, mlp_activations="recompute"), "full-offload", b=1)
     # head bucketing: the 2 local KV heads gathered one at a time
     bucketed = dataclasses.replace(shapes_for(world_size, True), n_heads=4 * world_size, n_kv_heads=2 * world_size,
                                    hidden_size=32 * world_size)
@@ -198,6 +206,11 @@ def _replicated_kv_cases(world_size: int) -> None:
     assert_replicas_identical(model, "after training")
     assert_close(f"D={world_size} replicated-KV loss curve", curves[1], curves[0], 1e-10)
     assert curves[0][2] < curves[0][0], "the reference did not learn (same batch, two steps apart)"
+
+
+def test_mlp_weight_grads_is_checked():
+    with pytest.raises(ValueError, match="mlp_weight_grads='bogus'.*'owners'"):
+        ModelConfig(mlp_weight_grads="bogus")
 
 
 @pytest.mark.parametrize("gqa", [False, True])

@@ -92,18 +92,27 @@ def test_tsp_layer_collectives_tiny_by_hand():
     attn = (2 * 2 + 2 * 1) * 16 * 64  # 6144 elements per packed shard
     kv = 2 * 1 * 8 * 1 * 16  # 256 elements gathered per call
     mlp = 3 * 128 * 64 // 2  # 12288
+    # MLP weight gradients at 4 local tokens: the owner way moves 4 * (2*64 + 3*64) * 2 = 2,560 bytes per hop
+    # against the fp32 accumulator's 12288 * 4: x and dy all-gathered (2 x [8, 64]), then [4, 128] gate/up and
+    # [4, 64] hidden gradients to the other shard's owner
+    owners = {"all_gather_into_tensor": 2 * 8 * 64 * w, "send": 4 * 3 * 64 * w}
     b = tsp_layer_collectives(TINY, 1, 8, 2, w)
     assert b["forward"] == {"broadcast": 2 * attn * w, "all_gather_into_tensor": 2 * kv * w,
                             "reduce_scatter_tensor": 0, "reduce": 0, "all_reduce": 0, "send": mlp * w}
-    assert b["backward"] == {"broadcast": 2 * attn * w, "all_gather_into_tensor": 2 * kv * w,
-                             "reduce_scatter_tensor": 2 * kv * 4, "reduce": 2 * attn * 4,
-                             "all_reduce": 2 * 64 * 4, "send": mlp * w + mlp * 4}
+    assert b["backward"] == {"broadcast": 2 * attn * w, "all_gather_into_tensor": 2 * kv * w + owners[
+                             "all_gather_into_tensor"], "reduce_scatter_tensor": 2 * kv * 4, "reduce": 2 * attn * 4,
+                             "all_reduce": 2 * 64 * 4, "send": mlp * w + owners["send"]}
     c = tsp_layer_collectives(TINY, 1, 8, 2, w, what="calls")
     # one K/V all-gather (forward) / reduce-scatter (backward) per owner and zigzag half
     assert c["forward"] == {"broadcast": 2, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 0,
                             "reduce": 0, "all_reduce": 0, "send": 1}
-    assert c["backward"] == {"broadcast": 2, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4,
-                             "reduce": 2, "all_reduce": 2, "send": 2}
+    assert c["backward"] == {"broadcast": 2, "all_gather_into_tensor": 4 + 2, "reduce_scatter_tensor": 4,
+                             "reduce": 2, "all_reduce": 2, "send": 1 + 2}
+    # 80 local tokens (S = 160): 80 * 320 * 2 = 51,200 bytes > 49,152: the accumulator travels with its shard
+    long = tsp_layer_collectives(TINY, 1, 160, 2, w)
+    assert long["backward"]["send"] == mlp * w + mlp * 4
+    assert long["backward"]["all_gather_into_tensor"] == 2 * (2 * 1 * 160 * 1 * 16) * w  # the K/V only
+    assert tsp_layer_collectives(TINY, 1, 160, 2, w, what="calls")["backward"]["send"] == 2
     # full checkpointing: one more forward's worth inside backward, less the MLP ring (the re-run skips the MLP
     # forward); selective: the MLP ring's sends again
     full = tsp_layer_collectives(TINY, 1, 8, 2, w, checkpointing="full")
@@ -114,7 +123,7 @@ def test_tsp_layer_collectives_tiny_by_hand():
         assert sel["backward"][op] == b["backward"][op] + (b["forward"][op] if op == "send" else 0)
     assert sel["forward"] == b["forward"]
     cfull = tsp_layer_collectives(TINY, 1, 8, 2, w, checkpointing="full", what="calls")
-    assert cfull["backward"]["broadcast"] == 4 and cfull["backward"]["send"] == 2
+    assert cfull["backward"]["broadcast"] == 4 and cfull["backward"]["send"] == 3
 
 
 def test_tsp_paper_config_layer_bytes():
@@ -173,7 +182,10 @@ def test_tsp_step_collectives_sum_and_vocab_rings():
     calls = tsp_step_collectives(P7, B, S, D, w, what="calls")
     assert calls["forward"]["broadcast"] == P7.n_layers * D
     assert calls["forward"]["send"] == P7.n_layers * (D - 1) + 2 * (D - 1)
-    assert calls["backward"]["send"] == P7.n_layers * 2 * (D - 1) + (D - 1) + 2 * (D - 1)
+    # 2,048 local tokens: the MLP sends its activation gradients to the shards' owners (weights, gate/up, hidden:
+    # 3 sends a hop); the embedding's accumulator and the LM head's weights + accumulator as before
+    assert calls["backward"]["send"] == P7.n_layers * 3 * (D - 1) + (D - 1) + 2 * (D - 1)
+    assert calls["backward"]["all_gather_into_tensor"] == P7.n_layers * (2 * D + 2)  # K/V (g = 1), then x and dy
     assert calls["backward"]["all_reduce"] == 2 * P7.n_layers + 1
 
 

@@ -16,6 +16,13 @@ A checkpointed layer re-run in backward (``full``, ``keep-attention``, ``offload
 gradients, never its output: there the forward ring does not run at all and backward takes the ``"recompute"``
 path (each shard's gate/up GEMM once, in the backward ring). The re-run saves the down-projection GEMM, the
 SwiGLU, one cast of the weights and one ring of weight traffic per layer, and keeps no pre-activations.
+
+Weight gradients (``weight_grads``): ``"ring"`` adds each rank's partial into the fp32 accumulator travelling
+with its shard (3 F h / D elements a hop); ``"owners"`` sends each shard's gate/up and hidden-activation gradients
+of this rank's tokens to the shard's owner ([B*L, 3F/D] a hop), all-gathers the input and the output gradient,
+and the owner forms its shard's gradient in one GEMM over all B*L*D tokens (fp32 written once). ``"auto"`` takes
+whichever moves fewer bytes for the call: "owners" below about 3.5K local tokens for paper-7b at D = 8 (8K and
+16K), where the accumulator GEMMs of the ring are memory-bound. The same sums, in another order.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from torch import Tensor
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.kernels.fused import fused_on_cuda, rows
 from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
-from lightning_tsp.schedules.comm import local_tensor, pack, unpack
-from lightning_tsp.schedules.ring import RingGradPass, ring_shards
+from lightning_tsp.planning.grouping import MLP_WEIGHT_GRADS, mlp_grads_by_owners
+from lightning_tsp.schedules.comm import all_gather, local_tensor, pack, unpack
+from lightning_tsp.schedules.ring import RingGradPass, ring_shards, to_owner
 
 
 @fused_on_cuda(rows)
@@ -63,13 +71,13 @@ def pack_shard(w_gate: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype)
 class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup, recompute: bool = False, gradients_only: bool = False,
-                save: bool = True):
+                save: bool = True, weight_grads: str = "auto"):
         """``gradients_only``: a checkpointed layer's re-run (see the module docstring); ``save``: False where no
         backward will come (no grad mode: a checkpointed layer's first forward), so "keep" holds no pre-activations."""
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
         f = w_gate.shape[0]  # F/D
-        ctx.tsp, ctx.recompute = tsp, recompute or gradients_only
+        ctx.tsp, ctx.recompute, ctx.weight_grads = tsp, recompute or gradients_only, weight_grads
         if gradients_only:
             # a checkpointed layer's re-run in backward: its output is never read, only differentiated, so the
             # forward ring does not run; backward recomputes each shard's gate/up as the shard comes round
@@ -110,24 +118,69 @@ class RingMLP(torch.autograd.Function):
         f = w_gate.shape[0]
         x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        dx = torch.empty(b * l, h, dtype=acc_dtype, device=x.device)  # the first step's GEMM writes it whole
         local = pack_shard(w_gate, w_up, w_down, x.dtype)
-        # the accumulator of a shard's gradient travels with it: [dWg; dWu] [2F/D, h], then dWd [h, F/D]
-        ring = RingGradPass(tsp, local, local.numel(), x.device, acc_dtype, in_place=True)
-        for t, (s, buf, take) in enumerate(ring):
-            w_gu = buf[: 2 * f * h].view(2 * f, h)
-            wd = buf[2 * f * h :].view(h, f)  # Wd_s
-            gu = x2 @ w_gu.T if ctx.recompute else saved[s]
-            d_gu, hid = swiglu_backward(gu, dy2 @ wd)
-            (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)  # one GEMM for both input gradients
-            acc, fresh = take()  # the left neighbour's sum for shard s arrives while the GEMMs above run
-            acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
-            add = matmul_into if fresh else add_matmul_  # first step: the GEMMs write the whole accumulator
-            add(acc_gu, d_gu.T, x2)
-            add(acc_d, dy2.T, hid)
+        if mlp_grads_by_owners(ctx.weight_grads, b * l, h, f, tsp.size, x.element_size(), acc_dtype.itemsize):
+            dx, grad = _backward_by_owners(tsp, x2, dy2, local, saved, ctx.recompute, acc_dtype)
+        else:
+            dx, grad = _backward_ring(tsp, x2, dy2, local, saved, ctx.recompute, acc_dtype)
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
-        d_w = [g.to(w.dtype) for g, w in zip(unpack(ring.grad, shapes), (w_gate, w_up, w_down))]
-        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None, None, None)
+        d_w = [g.to(w.dtype) for g, w in zip(unpack(grad, shapes), (w_gate, w_up, w_down))]
+        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None, None, None, None)
+
+
+def _backward_ring(tsp, x2, dy2, local, saved, recompute, acc_dtype):
+    """(dx, this rank's shard gradient): the accumulator of each shard travels with it (:class:`RingGradPass`)."""
+    n, h = x2.shape
+    f = local.numel() // (3 * h)
+    dx = torch.empty(n, h, dtype=acc_dtype, device=x2.device)  # the first step's GEMM writes it whole
+    # the accumulator of a shard's gradient travels with it: [dWg; dWu] [2F/D, h], then dWd [h, F/D]
+    ring = RingGradPass(tsp, local, local.numel(), x2.device, acc_dtype, in_place=True)
+    for t, (s, buf, take) in enumerate(ring):
+        w_gu = buf[: 2 * f * h].view(2 * f, h)
+        wd = buf[2 * f * h :].view(h, f)  # Wd_s
+        gu = x2 @ w_gu.T if recompute else saved[s]
+        d_gu, hid = swiglu_backward(gu, dy2 @ wd)
+        (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)  # one GEMM for both input gradients
+        acc, fresh = take()  # the left neighbour's sum for shard s arrives while the GEMMs above run
+        acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
+        add = matmul_into if fresh else add_matmul_  # first step: the GEMMs write the whole accumulator
+        add(acc_gu, d_gu.T, x2)
+        add(acc_d, dy2.T, hid)
+    return dx, ring.grad
+
+
+def _backward_by_owners(tsp, x2, dy2, local, saved, recompute, acc_dtype):
+    """(dx, this rank's shard gradient): the weights circulate as in the forward ring; the gate/up and hidden
+    gradients of this rank's tokens for shard s go to s's owner, which multiplies the gathered inputs and output
+    gradients of all D ranks' tokens by them: one GEMM per weight, K = all tokens, fp32 written once."""
+    d, r = tsp.size, tsp.rank
+    n, h = x2.shape
+    f = local.numel() // (3 * h)
+    x_all, dy_all = x2.new_empty(d * n, h), x2.new_empty(d * n, h)  # rank q's tokens in rows [q n, (q+1) n)
+    works = [all_gather(x_all, x2.contiguous(), tsp, async_op=True),
+             all_gather(dy_all, dy2.contiguous(), tsp, async_op=True)]
+    d_gu_own, hid_own = x2.new_empty(d, n, 2 * f), x2.new_empty(d, n, f)  # every rank's, for this rank's shard
+    in_flight = []  # sent pieces stay alive until their sends are waited
+    dx = torch.empty(n, h, dtype=acc_dtype, device=x2.device)
+    for t, (s, buf) in enumerate(ring_shards(tsp, local)):
+        w_gu = buf[: 2 * f * h].view(2 * f, h)
+        gu = x2 @ w_gu.T if recompute else saved[s]
+        d_gu, hid = swiglu_backward(gu, dy2 @ buf[2 * f * h :].view(h, f))
+        (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)
+        if t == 0:  # this rank's own shard
+            d_gu_own[r].copy_(d_gu)
+            hid_own[r].copy_(hid)
+        else:
+            q = (r + t) % d
+            works += to_owner(tsp, t, [d_gu, hid], [d_gu_own[q], hid_own[q]])
+            in_flight.append((d_gu, hid))
+    for w in works:
+        w.wait()
+    del in_flight
+    grad = torch.empty(local.numel(), dtype=acc_dtype, device=x2.device)
+    matmul_into(grad[: 2 * f * h].view(2 * f, h), d_gu_own.view(d * n, 2 * f).T, x_all)  # [dWg; dWu]
+    matmul_into(grad[2 * f * h :].view(h, f), dy_all.T, hid_own.view(d * n, f))  # dWd
+    return dx, grad
 
 
 class TSPGatedMLP(nn.Module):
@@ -136,11 +189,13 @@ class TSPGatedMLP(nn.Module):
     tsp_shard_dims = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
 
     def __init__(self, hidden_size: int, intermediate_size: int, tsp: TSPGroup, device=None, dtype=None,
-                 activations: str = "keep"):
+                 activations: str = "keep", weight_grads: str = "auto"):
         super().__init__()
         if activations not in MLP_ACTIVATIONS:
             raise ValueError(f"activations={activations!r}; choose one of {MLP_ACTIVATIONS}")
-        self.tsp, self.recompute = tsp, activations == "recompute"
+        if weight_grads not in MLP_WEIGHT_GRADS:
+            raise ValueError(f"weight_grads={weight_grads!r}; choose one of {MLP_WEIGHT_GRADS}")
+        self.tsp, self.recompute, self.weight_grads = tsp, activations == "recompute", weight_grads
         # set while a checkpointed layer is re-run in backward (:func:`lightning_tsp.offload.rerunning`)
         self.rerun = False
         f = intermediate_size // tsp.size
@@ -154,4 +209,5 @@ class TSPGatedMLP(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             w = [local_tensor(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
             grad = torch.is_grad_enabled()
-            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute, self.rerun and grad, grad)
+            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute, self.rerun and grad, grad,
+                                 self.weight_grads)

@@ -21,7 +21,7 @@ from lightning_tsp.checks import TSPConfigError, check_model_shape
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers import TSPAttention, TSPEmbedding, TSPGatedMLP, TSPLMHead, TSPRMSNorm
 from lightning_tsp.layers.attention import Documents
-from lightning_tsp.layers.mlp import MLP_ACTIVATIONS
+from lightning_tsp.layers.mlp import MLP_ACTIVATIONS, MLP_WEIGHT_GRADS
 from lightning_tsp.layers.moe import TSPMoE, check_moe_shape, load_balancing_loss
 from lightning_tsp.layers.rope import rope_cos_sin, validate_rope_scaling
 from lightning_tsp.graphs import GRAPHED_CHECKPOINTING, GRAPHED_MAX_TOKENS, LayerGraphs
@@ -63,6 +63,10 @@ class ModelConfig:
     # "recompute" saves none (backward re-runs each shard's gate/up GEMM) and sums the output shard by shard: the
     # longest contexts (lightning_tsp.layers.mlp). The same function.
     mlp_activations: str = "keep"
+    # the dense MLP ring's weight gradients: "ring" (the fp32 accumulator travels with its shard), "owners" (each
+    # shard's activation gradients go to its owner, one GEMM over all tokens there), "auto" (fewer bytes per call:
+    # "owners" at short sequences). The same function.
+    mlp_weight_grads: str = "auto"
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -74,6 +78,8 @@ class ModelConfig:
         self.rope_scaling = validate_rope_scaling(self.rope_scaling, self.head_dim, theta=self.rope_theta)
         if self.mlp_activations not in MLP_ACTIVATIONS:
             raise TSPConfigError(f"mlp_activations={self.mlp_activations!r}; choose one of {MLP_ACTIVATIONS}")
+        if self.mlp_weight_grads not in MLP_WEIGHT_GRADS:
+            raise TSPConfigError(f"mlp_weight_grads={self.mlp_weight_grads!r}; choose one of {MLP_WEIGHT_GRADS}")
         self.dense_layers = sorted(int(i) for i in self.dense_layers)  # a list: the config round-trips through JSON
         if self.num_experts:
             if self.moe_intermediate_size is None:
@@ -171,7 +177,8 @@ class TSPDecoderLayer(nn.Module):
                               shared_intermediate_size=cfg.shared_expert_intermediate_size,
                               schedule=cfg.expert_schedule, **kw)
         else:
-            self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, activations=cfg.mlp_activations, **kw)
+            self.mlp = TSPGatedMLP(cfg.hidden_size, cfg.intermediate_size, tsp, activations=cfg.mlp_activations,
+                                   weight_grads=cfg.mlp_weight_grads, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Documents | None = None,
                 checkpoint_mlp: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from .grouping import choose_shard_group
+from .grouping import choose_shard_group, mlp_grads_by_owners
 from .model import ModelShape
 
 __all__ = [
@@ -192,6 +192,19 @@ def _attn_mlp_forward(shape: ModelShape, B: int, S: int, D: int, w_bytes: int, w
     return t
 
 
+def _mlp_ring_backward(b: dict, shard_numel: int, ffn: int, shape: ModelShape, B: int, S: int, D: int, w_bytes: int,
+                       by: bool) -> None:
+    """A gated-MLP ring's backward sends (``lightning_tsp.layers.mlp``): D-1 weight hops, then either D-1 fp32
+    accumulator hops, or (``mlp_grads_by_owners``, short sequences) the input and the output gradient all-gathered
+    and D-1 times this rank's gate/up and hidden gradients for one shard sent to its owner (two sends)."""
+    h, n, f = shape.hidden_size, B * S // D, ffn // D
+    if mlp_grads_by_owners("auto", n, h, f, D, w_bytes, G_BYTES):
+        b["send"] = b.get("send", 0) + (D - 1) * ((shard_numel + n * 3 * f) * w_bytes if by else 3)
+        b["all_gather_into_tensor"] = b.get("all_gather_into_tensor", 0) + (2 * D * n * h * w_bytes if by else 2)
+    else:
+        b["send"] = b.get("send", 0) + (D - 1) * ((shard_numel * w_bytes + shard_numel * G_BYTES) if by else 2)
+
+
 def tsp_moe_mlp_collectives(
     shape: ModelShape,
     B: int,
@@ -235,7 +248,7 @@ def tsp_moe_mlp_collectives(
     if shape.shared_expert_intermediate_size:
         ms = tsp_shared_expert_shard_numel(shape, D)
         f["send"] += (D - 1) * (ms * w if by else 1)
-        b["send"] += (D - 1) * (ms * (w + G_BYTES) if by else 2)
+        _mlp_ring_backward(b, ms, shape.shared_expert_intermediate_size, shape, B, S, D, w, by)
     b["all_reduce"] += shape.router_params * G_BYTES if by else 1
     if not training:
         return {"forward": f, "backward": _empty()["backward"]}
@@ -264,7 +277,8 @@ def tsp_layer_collectives(
     zigzag half; G = D, or n_kv when each KV head is replicated on D / n_kv owners), D-1 MLP ring sends. Backward: D broadcasts again, 2D K/V all-gathers again (gathered K/V are
     not saved), 2G dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad
     all-reduces of h fp32 (+ one of the replicated K/V weight gradients when G < D), D-1 MLP weight sends
-    (w_bytes) + D-1 fp32 gradient-accumulator sends. ``checkpointing="full"`` re-runs the layer forward inside
+    (w_bytes) + D-1 fp32 gradient-accumulator sends, or at short sequences (``mlp_grads_by_owners``) two
+    all-gathers of B S/D x h (w_bytes) and D-1 pairs of sends of B S/D x (2F/D, F/D) activation gradients. ``checkpointing="full"`` re-runs the layer forward inside
     backward (one more forward's worth, less the dense MLP ring, whose output the re-run never reads);
     "keep-attention" and "offload" the same without the K/V all-gathers (the attention outputs are replayed);
     "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
@@ -301,8 +315,7 @@ def tsp_layer_collectives(
     if g < D:  # replicated KV heads: their weight gradients summed over the group, one all-reduce
         b["all_reduce"] += (shape.n_kv_heads * 2 * shape.hd * shape.hidden_size * G_BYTES) if by else 1
     if not moe:
-        mlp = tsp_mlp_shard_numel(shape, D)
-        b["send"] = (D - 1) * ((mlp * w_bytes + mlp * G_BYTES) if by else 2)
+        _mlp_ring_backward(b, tsp_mlp_shard_numel(shape, D), shape.intermediate_size, shape, B, S, D, w_bytes, by)
     out = add_tallies(fwd, bwd)
     if checkpointing in RECOMPUTING:
         recompute = fwd["forward"]

@@ -4,6 +4,9 @@ At short sequences the broadcast schedule's D steps per layer are small (a few h
 their fixed per-step cost dominates; grouping g owners makes D/g steps of g times the work, exactly. The price is
 memory: a step gathers the K/V of g times the heads over the whole sequence (plus their fp32 gradients in
 backward). ``auto`` takes the largest valid g whose gathered K/V stay within :data:`GROUP_KV_BUDGET_BYTES`.
+
+The MLP ring's weight gradients have the same short-sequence choice (:func:`mlp_grads_by_owners`): the fp32
+accumulator travelling with each shard, or each shard's activation gradients sent to its owner.
 """
 
 from __future__ import annotations
@@ -33,3 +36,25 @@ def choose_shard_group(tsp_size: int, seq_len: int, batch: int, kv_heads_per_own
         if kv <= budget_bytes:
             best = max(best, g)
     return best
+
+
+MLP_WEIGHT_GRADS = ("auto", "ring", "owners")
+
+
+def mlp_grads_by_owners(weight_grads: str, tokens: int, hidden: int, shard_ffn: int, tsp_size: int,
+                        act_bytes: int, acc_bytes: int = 4) -> bool:
+    """Whether a gated-MLP ring's backward sends each shard's activation gradients to its owner
+    (``lightning_tsp.layers.mlp``) instead of moving the shard's accumulator round the ring.
+
+    Per rank and backward, both send D-1 weight hops, and then either D-1 accumulators of 3 F/D h elements
+    (``acc_bytes`` each), or ``tokens`` x (2 h all-gathered: the input and the output gradient; 3 F/D to the
+    owner: the gate/up and hidden-activation gradients) elements (``act_bytes``) D-1 times. ``"auto"`` takes the
+    smaller: "owners" below 3 F/D h acc / ((2 h + 3 F/D) act) local tokens (3,511 for the paper's 7B at D = 8 in
+    bf16), where the ring's accumulating GEMMs are also memory-bound."""
+    if weight_grads not in MLP_WEIGHT_GRADS:
+        raise ValueError(f"weight_grads={weight_grads!r}; choose one of {MLP_WEIGHT_GRADS}")
+    if tsp_size == 1 or weight_grads == "ring":
+        return False
+    if weight_grads == "owners":
+        return True
+    return tokens * (2 * hidden + 3 * shard_ffn) * act_bytes < 3 * shard_ffn * hidden * acc_bytes

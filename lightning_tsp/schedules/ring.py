@@ -4,6 +4,12 @@ Forward: rank r sees shards r, r-1, ..., r-D+1 (each received from its left neig
 computes). Backward: rank r sees shards r-1, r-2, ..., r-D (= r); the fp32 gradient accumulator of a shard
 travels WITH it, every rank adds its partial, and after D-1 hops the accumulator lands on the owner holding the
 sum over the group: a reduce-scatter fused into the ring, with no extra collective.
+
+Where a rank holds few tokens the accumulator is the larger message: each hop moves a whole fp32 shard to add a
+product of only T/D tokens into it (and the adding GEMM reads and writes that shard: memory-bound at 1K tokens).
+Then the weights still circulate (:func:`ring_shards`) but each rank sends the activation gradients it computed
+for shard s to s's owner (:func:`to_owner`), which forms its shard's gradient in one GEMM over all T tokens;
+``lightning_tsp.planning.grouping.mlp_grads_by_owners`` says which moves fewer bytes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,17 @@ def ring_shards(tsp: TSPGroup, local: Tensor) -> Iterator[tuple[int, Tensor]]:
         yield (tsp.rank - t) % tsp.size, cur
         if nxt is not None:
             cur = nxt.result()
+
+
+def to_owner(tsp: TSPGroup, t: int, send: list[Tensor], recv: list[Tensor]) -> list:
+    """Step t of :func:`ring_shards` (rank r on shard r-t): send ``send`` (this rank's pieces for shard r-t) to
+    that shard's owner and receive rank r+t's pieces for this rank's own shard into ``recv``. Returns the works;
+    the caller keeps ``send`` alive until they are waited."""
+    d = tsp.size
+    dst, src = tsp.global_rank((tsp.rank - t) % d), tsp.global_rank((tsp.rank + t) % d)
+    ops = [dist.P2POp(dist.isend, a, dst, tsp.group) for a in send]
+    ops += [dist.P2POp(dist.irecv, b, src, tsp.group) for b in recv]
+    return dist.batch_isend_irecv(ops)
 
 
 class RingGradPass:
