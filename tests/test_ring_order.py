@@ -13,6 +13,9 @@ its issue and its wait. The log must show:
 * ``RingGradPass(in_place=True)`` (the MLP): the same, with the accumulator waited inside the step, after the
   step's input-gradient compute was issued and before the partial is added into it.
 * ``ring_shards`` (forward): every weight hop overlaps the step before it is needed.
+* ``to_owner`` (the MLP's weight gradients by owner): at step t a rank sends its pieces for shard r-t to that
+  shard's owner and receives rank r+t's pieces for its own shard; every piece arrives in its sender's slot, and
+  no exchange is waited before the last step has computed (each hides behind all the steps after it).
 """
 
 from __future__ import annotations
@@ -200,8 +203,40 @@ def _forward_ring_worker(rank: int, world: int) -> None:
     assert max_in_flight(rec.log, "weight") == 1, rec.log
 
 
+def _owner_exchange_worker(rank: int, world: int) -> None:
+    tsp = TSPGroup.from_process_group(dist.group.WORLD)
+    rec = HopRecorder(tsp)
+
+    def piece(q: int, s: int) -> torch.Tensor:  # rank q's activation gradients for shard s (ACC: told apart)
+        return torch.arange(5, dtype=ACC) + 1000 * q + 10 * s
+
+    got = torch.full((world, 5), float("nan"), dtype=ACC)  # every rank's pieces for this rank's shard, by sender
+    works, in_flight = [], []
+    with rec.installed():
+        for t, (s, buf) in enumerate(ring.ring_shards(tsp, weight_shard(rank))):
+            rec.compute(t)
+            assert torch.equal(buf, weight_shard(s)), f"rank {rank} step {t}: not shard {s}'s weights"
+            mine = piece(rank, s)
+            if t == 0:
+                got[rank] = mine
+            else:
+                works += ring.to_owner(tsp, t, [mine], [got[(rank + t) % world]])
+                in_flight.append(mine)
+        rec.compute(world)  # the owner's weight-gradient GEMMs need every piece
+        for w in works:
+            w.wait()
+    assert torch.equal(got, torch.stack([piece(q, rank) for q in range(world)])), got
+    exchanges = {h["after_step"]: h for h in hop_windows(rec.log).values() if h["kind"] == "acc"}
+    assert sorted(exchanges) == list(range(1, world)), rec.log
+    for t, h in exchanges.items():
+        assert h["overlaps"] == list(range(t + 1, world + 1)), f"rank {rank}: exchange {t} waited early: {rec.log}"
+    peers = [e[3] for e in rec.log if e[0] == "issue" and e[2] == "acc"]  # (peer - rank) mod D
+    assert peers == [tuple(sorted((("irecv", t), ("isend", world - t)))) for t in range(1, world)], peers
+
+
 def _worker(rank: int, world: int) -> None:
     _forward_ring_worker(rank, world)
+    _owner_exchange_worker(rank, world)
     _grad_pass_worker(rank, world, with_weights=True)  # the MLP / MoE / LM head ring
     _grad_pass_worker(rank, world, with_weights=False)  # the embedding's: only the accumulator moves
     _grad_pass_worker(rank, world, with_weights=True, in_place=True)  # the MLP's: GEMMs add into the arrived sum
