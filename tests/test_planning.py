@@ -551,3 +551,18 @@ def test_mlp_recompute_trades_the_kept_pre_activations_for_a_gemm():
     assert full - none == pytest.approx(P7.n_layers * 2 * 16384 * (4 * h * h + 2 * h * f) / 8)
     tp = Layout("tp_sp", 8, 8, tp=8)
     assert memory_breakdown(lean, tp, true, 1, S, "full")["peak"] == memory_breakdown(P7, tp, true, 1, S, "full")["peak"]
+
+
+def test_mlp_ring_transient_by_hand():
+    from lightning_tsp.planning.strategies import ring_transient_bytes
+
+    # paper-7b at D = 8 in bf16: the packed MLP shard M = 3 * 16384 * 4096 / 8 = 25,165,824 elements
+    M, h, F, D = 3 * 16384 * 4096 // 8, 4096, 16384, 8
+    # 4,096 tokens per rank (32K): the accumulator ring, 3 shards in bf16 and 2 fp32 accumulators
+    assert ring_transient_bytes(M, 4096, h, D, 2, 2, F) == 3 * M * 2 + 2 * M * 4
+    # 1,024 (8K): weights by owner: 3 shards, one fp32 gradient, x and dy gathered [8192, 4096] each, the 8
+    # ranks' [1024, 3 * 2048] gradients for this shard and the 7 sent ones, all bf16
+    assert ring_transient_bytes(M, 1024, h, D, 2, 2, F) == (3 * M * 2 + M * 4 + 2 * 8192 * 4096 * 2
+                                                            + 15 * 1024 * 6144 * 2)
+    # rings that are not a gated MLP (experts, vocabulary) always move the accumulator
+    assert ring_transient_bytes(M, 1024, h, D, 2, 2) == 3 * M * 2 + 2 * M * 4

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import collectives as C
 from .flops import training_flops
-from .grouping import step_kv_heads
+from .grouping import mlp_grads_by_owners, step_kv_heads
 from .hardware import (ALL_TO_ALL_LATENCY_S, HOST_SYNC_S, INTER_LATENCY_S, INTRA_LATENCY_S, TSP_STEP_PASS_S,
                        Hardware)
 from .model import ModelShape
@@ -284,6 +284,18 @@ FUSED_OPTIMIZER = False
 LM_HEAD_TOKEN_CHUNK = 4096  # tokens per logit block in TSP's ring cross-entropy (TSPLMHead's default)
 
 
+def ring_transient_bytes(M: int, tokens: float, hidden: int, D: int, w: int, a: int, ffn: int | None = None) -> float:
+    """A TSP ring's backward working set for a shard of M elements: own packed shard + current + next (3 M, compute
+    dtype ``w``) and the fp32 accumulator + the one arriving (2 M). For a gated MLP of width ``ffn`` whose backward
+    sends its activation gradients to the shards' owners (``mlp_grads_by_owners``: short sequences) instead: one
+    fp32 gradient (M), the gathered x and dy (2 D ``tokens`` h), every rank's gate/up and hidden gradients for this
+    shard (D ``tokens`` 3F/D) and this rank's D-1 sent ones until they are waited, in the activation dtype ``a``."""
+    g = C.G_BYTES
+    if ffn is not None and mlp_grads_by_owners("auto", int(tokens), hidden, ffn // D, D, a, g):
+        return 3 * M * w + M * g + (2 * D * hidden + (2 * D - 1) * 3 * (ffn // D)) * tokens * a
+    return 3 * M * w + 2 * M * g
+
+
 def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, checkpointing: str,
                      expert_schedule: str | None = None, shard_group: int | str = "auto") -> dict[str, float]:
     """Peak bytes on one GPU and its parts.
@@ -361,9 +373,8 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
             # the own result ((sg + 1) A fp32), the step's gathered K/V (compute dtype), fp32 dK/dV in gather
             # order (reduce-scattered in place) and the kernel's dK/dV output of one call (compute dtype)
             attn_tr = (1 + 2 * sg) * A * w + (sg + 1) * A * g + kv * a + kv * g + kv * a
-            # MLP ring: own packed shard + current + next (3 M) and, in backward, the fp32 accumulator + the one
-            # arriving (2 M fp32)
-            ring = lambda M: 3 * M * w + 2 * M * g
+            def ring(M: int, ffn: int | None = None) -> float:
+                return ring_transient_bytes(M, T_loc, h, D, w, a, ffn)
             mlp_tr = 0.0
             if shape.n_moe_layers < shape.n_layers:  # the dense MLP ring
                 # backward, besides the ring: the fp32 input-gradient accumulator [T, h], the incoming gradient
@@ -373,7 +384,7 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
                 # (a memory snapshot of the 7B at 512K tokens, D = 8)
                 f_loc = F // D
                 extra = 5 if shape.mlp_activations == "recompute" else 7
-                mlp_tr = (ring(C.tsp_mlp_shard_numel(shape, D)) + T_loc * h * g
+                mlp_tr = (ring(C.tsp_mlp_shard_numel(shape, D), F) + T_loc * h * g
                           + (T_loc * h * a if p.residual > a else 0) + extra * T_loc * f_loc * a)
             if shape.is_moe:
                 Me = C.tsp_expert_shard_numel(shape, D)
@@ -382,7 +393,8 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
                 # in (fp32), routing balanced
                 tr = {"ring": ring(Me), "dispatch": Me * w + rows * h * (2 * w + 2 * g)}
                 moe_tr = tr[expert_schedule] if expert_schedule else max(tr.values())
-                shared_tr = ring(C.tsp_shared_expert_shard_numel(shape, D)) if shape.shared_expert_params else 0
+                shared_tr = (ring(C.tsp_shared_expert_shard_numel(shape, D), shape.shared_expert_intermediate_size)
+                             if shape.shared_expert_params else 0)
                 mlp_tr = max(mlp_tr, moe_tr, shared_tr)  # the shared expert runs after the routed ones
             layer_transient = max(attn_tr, mlp_tr)  # attention and MLP run one after the other
             head_transient = 3 * Vs * w + 2 * Vs * g + T_loc * h * 4  # LM-head ring + fp32 dx
