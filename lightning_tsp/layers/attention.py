@@ -766,7 +766,8 @@ class BroadcastAttention(torch.autograd.Function):
         sharded, norm_params = params[:n_sharded], params[n_sharded:]
         owners, groups = _unflatten_saved(flat, *ctx.counts, len(spec.buckets()))
         norms = [w.to(x.dtype) for w in norm_params]
-        (shard, ctx.shard), (steps, ctx.steps) = (ctx.shard, None), (ctx.steps, None)
+        shard, steps = ctx.shard, ctx.steps  # the re-run's handover (freed with this backward)
+        ctx.shard = ctx.steps = None
         if shard is None and steps is None:
             shard = spec.layout.pack(list(sharded), x.dtype)
         dx, d_shard, d_norms = broadcast_attention_backward(spec, dy, x, cos, sin, shard, norms, owners, groups,

@@ -128,6 +128,18 @@ class RingMLP(torch.autograd.Function):
         return (dx.view(b, l, h).to(x.dtype), *d_w, None, None, None, None, None)
 
 
+def _shard_step(t, s, buf, x2, dy2, saved, recompute, dx):
+    """Step t of the backward on shard s (packed weights ``buf``): the gate/up and hidden gradients of this rank's
+    tokens (d[gate|up] [n, 2F/D], hid [n, F/D]); the shard's input gradient written (t = 0) or added into ``dx``."""
+    h = x2.shape[1]
+    f = buf.numel() // (3 * h)
+    w_gu = buf[: 2 * f * h].view(2 * f, h)
+    gu = x2 @ w_gu.T if recompute else saved[s]
+    d_gu, hid = swiglu_backward(gu, dy2 @ buf[2 * f * h :].view(h, f))  # dy Wd_s
+    (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)  # one GEMM for both input gradients
+    return d_gu, hid
+
+
 def _backward_ring(tsp, x2, dy2, local, saved, recompute, acc_dtype):
     """(dx, this rank's shard gradient): the accumulator of each shard travels with it (:class:`RingGradPass`)."""
     n, h = x2.shape
@@ -136,11 +148,7 @@ def _backward_ring(tsp, x2, dy2, local, saved, recompute, acc_dtype):
     # the accumulator of a shard's gradient travels with it: [dWg; dWu] [2F/D, h], then dWd [h, F/D]
     ring = RingGradPass(tsp, local, local.numel(), x2.device, acc_dtype, in_place=True)
     for t, (s, buf, take) in enumerate(ring):
-        w_gu = buf[: 2 * f * h].view(2 * f, h)
-        wd = buf[2 * f * h :].view(h, f)  # Wd_s
-        gu = x2 @ w_gu.T if recompute else saved[s]
-        d_gu, hid = swiglu_backward(gu, dy2 @ wd)
-        (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)  # one GEMM for both input gradients
+        d_gu, hid = _shard_step(t, s, buf, x2, dy2, saved, recompute, dx)
         acc, fresh = take()  # the left neighbour's sum for shard s arrives while the GEMMs above run
         acc_gu, acc_d = acc[: 2 * f * h].view(2 * f, h), acc[2 * f * h :].view(h, f)
         add = matmul_into if fresh else add_matmul_  # first step: the GEMMs write the whole accumulator
@@ -163,10 +171,7 @@ def _backward_by_owners(tsp, x2, dy2, local, saved, recompute, acc_dtype):
     in_flight = []  # sent pieces stay alive until their sends are waited
     dx = torch.empty(n, h, dtype=acc_dtype, device=x2.device)
     for t, (s, buf) in enumerate(ring_shards(tsp, local)):
-        w_gu = buf[: 2 * f * h].view(2 * f, h)
-        gu = x2 @ w_gu.T if recompute else saved[s]
-        d_gu, hid = swiglu_backward(gu, dy2 @ buf[2 * f * h :].view(h, f))
-        (matmul_into if t == 0 else add_matmul_)(dx, d_gu, w_gu)
+        d_gu, hid = _shard_step(t, s, buf, x2, dy2, saved, recompute, dx)
         if t == 0:  # this rank's own shard
             d_gu_own[r].copy_(d_gu)
             hid_own[r].copy_(hid)

@@ -278,8 +278,9 @@ def tsp_layer_collectives(
     not saved), 2G dK/dV reduce-scatters (fp32), D weight-gradient reduces (fp32), 2 RMSNorm weight-grad
     all-reduces of h fp32 (+ one of the replicated K/V weight gradients when G < D), D-1 MLP weight sends
     (w_bytes) + D-1 fp32 gradient-accumulator sends, or at short sequences (``mlp_grads_by_owners``) two
-    all-gathers of B S/D x h (w_bytes) and D-1 pairs of sends of B S/D x (2F/D, F/D) activation gradients. ``checkpointing="full"`` re-runs the layer forward inside
-    backward (one more forward's worth, less the dense MLP ring, whose output the re-run never reads);
+    all-gathers of B S/D x h (w_bytes) and D-1 pairs of sends of B S/D x (2F/D, F/D) activation gradients.
+    ``checkpointing="full"`` re-runs the layer forward inside backward (one more forward's worth, less the dense
+    MLP ring, whose output the re-run never reads);
     "keep-attention" and "offload" the same without the K/V all-gathers (the attention outputs are replayed);
     "selective" re-runs the norm + MLP block (D-1 more MLP ring sends).
     ``moe``: an MoE layer: the MLP ring's sends are replaced by :func:`tsp_moe_mlp_collectives` with

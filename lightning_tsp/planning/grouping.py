@@ -50,9 +50,8 @@ def mlp_grads_by_owners(weight_grads: str, tokens: int, hidden: int, shard_ffn: 
     (``acc_bytes`` each), or ``tokens`` x (2 h all-gathered: the input and the output gradient; 3 F/D to the
     owner: the gate/up and hidden-activation gradients) elements (``act_bytes``) D-1 times. ``"auto"`` takes the
     smaller: "owners" below 3 F/D h acc / ((2 h + 3 F/D) act) local tokens (3,511 for the paper's 7B at D = 8 in
-    bf16), where the ring's accumulating GEMMs are also memory-bound."""
-    if weight_grads not in MLP_WEIGHT_GRADS:
-        raise ValueError(f"weight_grads={weight_grads!r}; choose one of {MLP_WEIGHT_GRADS}")
+    bf16), where the ring's accumulating GEMMs are also memory-bound. ``weight_grads`` is one of
+    :data:`MLP_WEIGHT_GRADS`, checked where it is configured (``ModelConfig``, ``TSPGatedMLP``)."""
     if tsp_size == 1 or weight_grads == "ring":
         return False
     if weight_grads == "owners":
