@@ -20,7 +20,7 @@ from lightning_tsp import checkpoint as ckpt
 from lightning_tsp.strategy import TSPStrategy
 from tests.reference import assert_close
 from tests.test_equivalence import replicated
-from tests.test_strategy import B, LR, RTOL, WD, _lightning_module_class, make_dataset, run_ranks
+from tests.test_strategy import B, LR, RTOL, _lightning_module_class, make_dataset, make_optimizer, run_ranks
 
 CFG = replicated(2, 1)  # 4 query heads, 1 KV head, D = 2
 STEPS, CLIP = 4, 0.05  # a small clip value: every step is clipped
@@ -43,7 +43,7 @@ def _worker(rank, world_size, tmp):
 
 def _reference():
     model = TSPLlama(CFG, dtype=torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = make_optimizer("adamw", model.parameters())  # the module's optimizer
     data = make_dataset(CFG, B * STEPS)
     order = list(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
     losses, norms = [], []

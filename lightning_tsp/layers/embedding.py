@@ -39,10 +39,14 @@ class RingEmbedding(torch.autograd.Function):
         v_loc, h = weight.shape
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         flat_ids, dflat = ids.reshape(-1), dout.reshape(-1, h).to(acc_dtype)
-        ring = RingGradPass(ctx.tsp, None, weight.numel(), weight.device, acc_dtype)
-        for s, _, acc in ring:
+        ring = RingGradPass(ctx.tsp, None, weight.numel(), weight.device, acc_dtype, in_place=True)
+        for s, _, take in ring:
             mask, rows = _in_shard(flat_ids, s * v_loc, v_loc)
-            acc.view(v_loc, h).index_add_(0, rows, dflat * mask.unsqueeze(-1))
+            src = dflat * mask.unsqueeze(-1)
+            acc, fresh = take()  # the left neighbour's sum for shard s: this rank's rows are added into it
+            if fresh:
+                acc.zero_()
+            acc.view(v_loc, h).index_add_(0, rows, src)
         return None, ring.grad.view(v_loc, h).to(weight.dtype), None, None
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_tsp.group import TSPGroup
 from lightning_tsp.layers.embedding import _in_shard
 from lightning_tsp.schedules.comm import local_tensor
-from lightning_tsp.kernels.gemm import add_matmul_
+from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 from lightning_tsp.zigzag import IGNORE_INDEX
 
@@ -61,16 +61,22 @@ class RingCrossEntropy(torch.autograd.Function):
         acc_dtype = lse.dtype
         g = torch.where(t != IGNORE_INDEX, dloss.reshape(-1).to(acc_dtype), 0)
         dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
-        ring = RingGradPass(tsp, weight.to(x.dtype), weight.numel(), x.device, acc_dtype)
-        for s, w, acc in ring:
+        ring = RingGradPass(tsp, weight.to(x.dtype), weight.numel(), x.device, acc_dtype, in_place=True)
+        for s, w, take in ring:
             mask, cols = _in_shard(t, s * v_loc, v_loc)
+            acc = None
             for c in range(0, b * l, token_chunk):
                 rows = slice(c, c + token_chunk)
                 p = torch.exp((x2[rows] @ w.T).to(acc_dtype) - lse[rows, None])  # softmax block [n, V/D]
                 p.scatter_add_(1, cols[rows, None], -mask[rows, None].to(acc_dtype))  # minus one-hot
                 dlogits = (p * g[rows, None]).to(x.dtype)
                 dx[rows] += dlogits @ w
-                add_matmul_(acc.view(v_loc, h), dlogits.T, x2[rows])  # fp32 epilogue on CUDA
+                write = acc is None
+                if write:  # the left neighbour's sum for shard s arrives while the first block computes
+                    acc, fresh = take()
+                    acc, write = acc.view(v_loc, h), fresh
+                # fp32 epilogue on CUDA; a fresh accumulator is written whole by the first block's GEMM
+                (matmul_into if write else add_matmul_)(acc, dlogits.T, x2[rows])
         return dx.view(b, l, h).to(x.dtype), ring.grad.view(v_loc, h).to(weight.dtype), None, None, None
 
 

@@ -5,12 +5,11 @@ around the ring; at each step a rank adds silu(x Wg_s^T) * (x Wu_s^T) Wd_s^T for
 because SwiGLU is elementwise along the intermediate dim. No all-reduce. Backward: the ring runs again with the
 fp32 weight-gradient accumulator travelling with the shard (see :class:`RingGradPass`).
 
-Activations (``activations``): ``"keep"`` saves every shard's gate/up pre-activations ([B*L, 2F] in all) for
-backward and forms the output in one down-projection GEMM over the whole intermediate dim ([B*L, F] of
-activations for it); ``"recompute"`` saves nothing but the input: the forward adds each shard's down projection
-into an fp32 output as the shard passes ([B*L, h] fp32), and backward re-runs each shard's gate/up GEMM when the
-shard comes round again (one more [B*L, h] x [h, 2F/D] GEMM per shard). At long contexts the kept pre-activations
-and the activation buffer are the largest tensors of a layer (4x and 2x the layer input per token for F = 4h).
+The forward adds each shard's down projection into one fp32 output as the shard passes ([B*L, h] fp32, the GEMM's
+epilogue). Activations (``activations``): ``"keep"`` saves every shard's gate/up pre-activations ([B*L, 2F] in
+all) for backward; ``"recompute"`` saves nothing but the input, and backward re-runs each shard's gate/up GEMM
+when the shard comes round again (one more [B*L, h] x [h, 2F/D] GEMM per shard). At long contexts the kept
+pre-activations are the largest tensors of a layer (4x the layer input per token for F = 4h).
 
 A checkpointed layer re-run in backward (``full``, ``keep-attention``, ``offload``, ``full-offload``) needs the MLP's
 gradients, never its output: there the forward ring does not run at all and backward takes the ``"recompute"``
@@ -42,8 +41,8 @@ from lightning_tsp.schedules.ring import RingGradPass, ring_shards, to_owner
 
 @fused_on_cuda(rows)
 def swiglu_into(gu: Tensor, out: Tensor) -> None:
-    """out = silu(gate) * up for gu = [gate | up] [n, 2F], written into ``out`` [n, F] (a column block of the
-    activation buffer): one compiled kernel on CUDA, no temporary."""
+    """out = silu(gate) * up for gu = [gate | up] [n, 2F], written into ``out`` [n, F]: one compiled kernel on
+    CUDA, no temporary."""
     f = gu.shape[1] // 2
     out.copy_(F.silu(gu[:, :f]) * gu[:, f:])
 
@@ -83,32 +82,21 @@ class RingMLP(torch.autograd.Function):
             # forward ring does not run; backward recomputes each shard's gate/up as the shard comes round
             ctx.save_for_backward(x, w_gate, w_up, w_down)
             return x.new_zeros(()).expand(b, l, h)
-        if recompute:
-            # each shard's down projection added into one fp32 output as the shard passes; nothing kept per shard
-            y = torch.empty(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-            act = x.new_empty(b * l, f)
-            for t, (_, buf) in enumerate(ring_shards(tsp, pack_shard(w_gate, w_up, w_down, x.dtype))):
-                gu = x2 @ buf[: 2 * f * h].view(2 * f, h).T
-                swiglu_into(gu, act)
-                (matmul_into if t == 0 else add_matmul_)(y, act, buf[2 * f * h :].view(h, f).T)
-                del gu
-            ctx.save_for_backward(x, w_gate, w_up, w_down)
-            return y.to(x.dtype).view(b, l, h)
-        # each shard's activations and down-projection columns land in one [B*L, F] / [h, F] pair: the outputs
-        # accumulate in ONE down-projection GEMM at the end (full K, fp32 inside the GEMM), not D thin ones
-        act_all = x.new_empty(b * l, tsp.size * f)
-        wd_all = x.new_empty(h, tsp.size * f)
-        saved = [None] * tsp.size  # gate|up pre-activations [B*L, 2F/D], indexed by shard
-        for s, buf in ring_shards(tsp, pack_shard(w_gate, w_up, w_down, x.dtype)):
-            w_gu = buf[: 2 * f * h].view(2 * f, h)  # gate and up rows are consecutive: one GEMM
-            wd_all[:, s * f : (s + 1) * f] = buf[2 * f * h :].view(h, f)  # a block of whole rows of F/D
-            gu = x2 @ w_gu.T
-            swiglu_into(gu, act_all[:, s * f : (s + 1) * f])
-            saved[s] = gu if save else None
-        y = act_all @ wd_all.T
-        del act_all, wd_all
-        ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
-        return y.view(b, l, h)
+        # each shard's down projection is added into one fp32 output as the shard passes (the GEMM's epilogue,
+        # beta = 1): no per-shard output and no copy of the shards' Wd columns into one [h, F] operand
+        keep = not recompute and save
+        ctx.recompute = not keep
+        y = torch.empty(b * l, h, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        act = x.new_empty(b * l, f)
+        saved = [None] * tsp.size  # "keep": gate|up pre-activations [B*L, 2F/D], indexed by shard
+        for t, (s, buf) in enumerate(ring_shards(tsp, pack_shard(w_gate, w_up, w_down, x.dtype))):
+            gu = x2 @ buf[: 2 * f * h].view(2 * f, h).T  # gate and up rows are consecutive: one GEMM
+            swiglu_into(gu, act)
+            (matmul_into if t == 0 else add_matmul_)(y, act, buf[2 * f * h :].view(h, f).T)
+            saved[s] = gu if keep else None
+            del gu
+        ctx.save_for_backward(x, w_gate, w_up, w_down, *(saved if keep else ()))
+        return y.to(x.dtype).view(b, l, h)
 
     @staticmethod
     def backward(ctx, dy):
