@@ -135,6 +135,9 @@ def _worker(rank: int, world_size: int) -> None:
         for checkpointing in ("none", "full"):
             check_case(shapes_for(world_size, gqa), checkpointing)
     check_case(shapes_for(world_size, True, tie=True), "none")
+    # the LM head's ring over token blocks of 5 rows (a remainder block): the travelling accumulator is taken at
+    # the first block and written by its GEMM, the later blocks add into it; tied to the embedding's ring
+    check_case(shapes_for(world_size, True, tie=True), "none", token_chunk=5)
     check_case(shapes_for(world_size, True), "selective")
     # layer inputs in host memory; batch 1 (the K/V exchange's in-place path, no transposing copy)
     check_case(shapes_for(world_size, True), "offload", b=1)
