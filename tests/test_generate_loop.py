@@ -185,8 +185,9 @@ def test_benchmark_times_whole_generate_calls(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kept_cuda_graph_replays_exactly(dtype):
     """On CUDA the kept decoder's graph (captured in the first call) is replayed from the first decode step of the
-    next calls: tokens and whole caches equal a new decoder's (eager warm-up steps, then its own capture), with
-    other prompts of the same shapes, and the same graph object serves every call."""
+    next calls, and its prefill (a short prompt batch) is captured in the second call and replayed from the third:
+    tokens and whole caches equal a new decoder's (eager prefill and warm-up steps, then its own capture), with
+    other prompts of the same shapes, and the same graph objects serve every call."""
     from lightning_tsp import TSPLlama
     from lightning_tsp.group import TSPGroup
     from lightning_tsp.models.llama import ModelConfig
@@ -196,10 +197,10 @@ def test_kept_cuda_graph_replays_exactly(dtype):
     model = TSPLlama(cfg, TSPGroup.single(), dtype=dtype, device="cuda")
     model.load_full_state_dict(TSPLlama(cfg, None, dtype=torch.float64).state_dict())
     pool = decoder_pool(model)
-    graph = None
-    for seed in range(3):
+    graph = prefill_graph = None
+    for seed in range(4):
         g = torch.Generator().manual_seed(seed)
-        lens = [(300, 7, 64), (250, 299, 1), (5, 120, 299)][seed]  # all padded to 300
+        lens = [(300, 7, 64), (250, 299, 1), (5, 120, 299), (299, 300, 2)][seed]  # all padded to 300
         prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
         out = generate(model, prompts, 24)
         fresh = generate(model, prompts, 24, keep_decoder=False)
@@ -207,4 +208,7 @@ def test_kept_cuda_graph_replays_exactly(dtype):
         (decoder,) = pool.decoders()
         assert decoder.graph is not None and (graph is None or decoder.graph is graph)
         graph = decoder.graph
+        assert decoder.graphs_prefill(300) and (decoder.prefill_graph is None) == (seed == 0), seed
+        assert prefill_graph is None or decoder.prefill_graph is prefill_graph
+        prefill_graph = decoder.prefill_graph
     assert release(model) == 1 and len(pool) == 0

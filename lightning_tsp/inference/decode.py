@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lightning_tsp.inference.cache import KVCache
 from lightning_tsp.inference.collectives import all_gather_stack, all_reduce_, all_to_all
+from lightning_tsp.inference.prefill import prefill
 from lightning_tsp.inference.vocab import acc_dtype, embed_tokens, local_logits
 from lightning_tsp.layers.attention import kv_block, project_qkv
 from lightning_tsp.kernels.fused import compiled_on_cuda
@@ -47,6 +48,12 @@ from lightning_tsp.layers.moe import TSPMoE, experts_forward
 from lightning_tsp.layers.norm import rms_norm
 from lightning_tsp.layers.rope import apply_rope
 from lightning_tsp.schedules.comm import local_tensor
+
+# a kept decoder replays its prefill from a CUDA graph when the prompt batch has at most this many local tokens
+# (B x padded length / D): there the eager prefill is bound by the host (paper-7b, D = 8, a 2K prompt: 256 local
+# tokens, about 300 kernels a layer), and the graph's memory pool (the prefill's working set, kept between calls)
+# is small; longer prompts are bound by the GPU and run eagerly
+PREFILL_GRAPH_MAX_TOKENS = 4096
 
 
 def partial_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -278,8 +285,8 @@ class Decoder:
     steps run eagerly and are real steps, so the capture itself changes nothing.
 
     A decoder serves any number of prompt batches of its cache's shapes: refill the same cache with
-    ``prefill(..., cache=decoder.cache)`` (which empties it in place) and call on; the graph keeps replaying over
-    the same buffers (this is how ``generate`` keeps decoders across calls, see
+    :meth:`prefill` (or ``prefill(..., cache=decoder.cache)``, which empties it in place) and call on; the graph
+    keeps replaying over the same buffers (this is how ``generate`` keeps decoders across calls, see
     :mod:`lightning_tsp.inference.decoders`). It refers to the model weakly, so a kept decoder does not keep its
     model alive.
     """
@@ -294,6 +301,10 @@ class Decoder:
         self.graph = None
         self.tokens = torch.zeros(cache.prompt_lens.shape[0], dtype=torch.long, device=device)
         self.logits: Tensor | None = None
+        # the prefill's graph (see :meth:`prefill`) and its static input and output buffers
+        self.prefill_graph = None
+        self._prompt: tuple[Tensor, Tensor] | None = None
+        self._hidden: Tensor | None = None
 
     @property
     def model(self):
@@ -301,6 +312,35 @@ class Decoder:
         if model is None:
             raise RuntimeError("this Decoder's model has been deleted")
         return model
+
+    def graphs_prefill(self, padded_len: int) -> bool:
+        """Whether :meth:`prefill` runs from a CUDA graph: graphs on, dense layers (an expert dispatch reads its
+        row counts on the host), at most :data:`PREFILL_GRAPH_MAX_TOKENS` local prompt tokens."""
+        local = self.cache.prompt_lens.shape[0] * padded_len // self.cache.size
+        return self.graphs and not self.model.cfg.num_experts and local <= PREFILL_GRAPH_MAX_TOKENS
+
+    @torch.no_grad()
+    def prefill(self, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -> Tensor:
+        """Refill this decoder's cache with a new prompt batch of its shapes (:func:`prefill` with ``cache=``);
+        returns the final-norm hidden state [B, h] of each sequence's last prompt token. Where
+        :meth:`graphs_prefill`, the first refill captures the prefill (the call that built this decoder ran it
+        eagerly with these shapes: kernels and plans are initialised) and every later refill copies the prompt
+        batch into the graph's input buffers and replays it: the same kernels on the same buffers, launched at
+        once. The returned tensor is the graph's output buffer: the next refill overwrites it."""
+        if not self.graphs_prefill(padded_ids.shape[1]):
+            return prefill(self.model, padded_ids, prompt_lens, decode_steps, cache=self.cache)[1]
+        if self.prefill_graph is None:
+            self._prompt = (padded_ids.clone(), prompt_lens.to(padded_ids.device, copy=True))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._hidden = prefill(self.model, *self._prompt, decode_steps, cache=self.cache)[1]
+            self.prefill_graph = graph  # only a complete capture is kept
+        else:
+            for buf, new in zip(self._prompt, (padded_ids, prompt_lens)):
+                buf.copy_(new)
+        self.prefill_graph.replay()  # capture records without running: the first replay is the refill
+        self.cache.step = 0  # the host side of the refill (KVCache.reuse), which the replay does not run
+        return self._hidden
 
     def _eager(self) -> Tensor:
         model = self.model

@@ -99,10 +99,11 @@ def generate(
     pool = decoder_pool(model) if keep_decoder else None
     key = DecoderKey.of(model, b, ids.shape[1], max_new_tokens - 1, graphs) if pool is not None else None
     decoder = pool.take(key) if pool is not None else None  # out of the pool while in use: a failed call keeps nothing
-    cache, hidden = prefill(model, ids, lens, decode_steps=max_new_tokens - 1,
-                            cache=None if decoder is None else decoder.cache)
     if decoder is None:
+        cache, hidden = prefill(model, ids, lens, decode_steps=max_new_tokens - 1)
         decoder = Decoder(model, cache, graphs=graphs)
+    else:  # the kept cache refilled in place; a short prompt batch from the decoder's captured prefill
+        cache, hidden = decoder.cache, decoder.prefill(ids, lens, max_new_tokens - 1)
     offset = vocab_offset(model)
     pending = _HostTokens(b, max_new_tokens, device)
     done = torch.zeros(b, dtype=torch.bool)

@@ -30,10 +30,12 @@ CUDA_SLOT_ALIGN = 64
 
 def attention_prefill(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
     """The layer's own broadcast schedule (:func:`~lightning_tsp.layers.attention.broadcast_attention`, forward
-    only) over local tokens x [B, L, h]; every KV group's local RoPE'd k/v land in ``k_cache``/``v_cache``
-    [B, n_kv, >=L, d] (slots 0..L-1). Returns the attention output [B, L, h]."""
-    spec = attn.spec(x.device, x.dtype)
-    nkv, l = spec.layout.n_kv_heads, x.shape[1]
+    only, with the layer's shard grouping) over local tokens x [B, L, h]; every KV group's local RoPE'd k/v land
+    in ``k_cache``/``v_cache`` [B, n_kv, >=L, d] (slots 0..L-1). Returns the attention output [B, L, h]."""
+    # the training layer's shard grouping: g owners' shards per schedule step (a short prompt runs one step of
+    # all D owners instead of D steps of a few hundred tokens each, as a training step does)
+    spec = attn.spec(x.device, x.dtype, group=attn.step_group(x.shape[0], x.shape[1], x.dtype))
+    nkv, l = spec.step_layout.n_kv_heads, x.shape[1]
 
     def into_cache(group: int, blocks: list[Tensor]) -> None:
         for (kvs, _), blk in zip(spec.buckets(), blocks):
