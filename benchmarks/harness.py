@@ -414,7 +414,7 @@ def predicted_comm(row: dict) -> dict:
               "tp_x_sp": dict(tp=row["tp"] or 1, sp=row["sp"] or 1)}[s]
         layout = Layout(s, w, gpn, **kw)
         entries = communication(shape, layout, prec, B, S, mode, shard_group=row.get("shard_group") or "auto")
-        est = estimate(shape, layout, hw, prec, B, S, mode)
+        est = estimate(shape, layout, hw, prec, B, S, mode, optimizer=row.get("optimizer") or "foreach")
         out["model_peak_gb"] = est.peak_bytes / 1e9  # the cost model's memory, for comparison
     ov = sum(_comm_time(e, hw, shape.n_layers) for e in entries if e.overlap)
     ex = sum(_comm_time(e, hw, shape.n_layers) for e in entries if not e.overlap)

@@ -276,6 +276,30 @@ def test_memory_scales_with_degree_and_precision():
     assert order[0] > order[1] > order[2]
 
 
+def test_optimizer_step_peak_by_adamw_implementation(capsys):
+    """foreach AdamW's step holds one temporary of half the optimizer state; fused and for-loop update in place.
+    The implementation changes only the optimizer step's peak, and reaches it through estimate and ``plan``."""
+    S, lay = 131072, Layout("tsp", 8, 8, tsp=8)
+    m = {o: memory_breakdown(P7, lay, MIXED, 1, S, "offload", optimizer=o) for o in ("foreach", "fused", "forloop")}
+    base = m["fused"]["weights"] + m["fused"]["grads"]
+    assert m["fused"]["optimizer_step_peak"] == pytest.approx(base + m["fused"]["optimizer"])
+    assert m["forloop"]["optimizer_step_peak"] == pytest.approx(m["fused"]["optimizer_step_peak"])
+    assert m["foreach"]["optimizer_step_peak"] == pytest.approx(base + 1.5 * m["fused"]["optimizer"])
+    assert {k: v for k, v in m["foreach"].items() if k not in ("optimizer_step_peak", "peak")} == \
+        {k: v for k, v in m["fused"].items() if k not in ("optimizer_step_peak", "peak")}
+    assert memory_breakdown(P7, lay, MIXED, 1, S, "offload")["peak"] == m["foreach"]["peak"]  # the default
+    with pytest.raises(ValueError, match="optimizer='adam8bit'"):
+        memory_breakdown(P7, lay, MIXED, 1, S, "offload", optimizer="adam8bit")
+    e = estimate(P7, lay, H200, MIXED, 1, S, "offload", optimizer="fused")
+    assert e.optimizer == "fused" and e.peak_bytes == m["fused"]["peak"]
+    gib = {}
+    for o in ("foreach", "fused"):
+        assert main(["--model", "paper-7b", "--seq-len", "128K", "--gpus", "8", "--tsp-degree", "8",
+                     "--checkpointing", "offload", "--optimizer", o, "--breakdown"]) == 0
+        gib[o] = capsys.readouterr().out
+    assert gib["foreach"] != gib["fused"]
+
+
 def test_calibration_against_measured_h200_baselines():
     """anchors.md: paper 7B, D=8, bf16-mixed + AdamW, full checkpointing, measured peak GB on one H200."""
     measured = {("tp", 16384): 25.09, ("tp", 131072): 98.82, ("tp_sp", 16384): 22.79, ("tp_sp", 131072): 35.20}

@@ -17,7 +17,7 @@ from .hardware import HARDWARE_PRESETS, GiB, get_hardware
 from .model import MODEL_PRESETS, ModelShape, get_model_shape
 from .planner import PlanError, format_table, make_plan, select_rows
 from .precision import PRECISIONS, get_precision
-from .strategies import Estimate, estimate, memory_breakdown, tsp_expert_crossover_seq
+from .strategies import OPTIMIZERS, Estimate, estimate, memory_breakdown, tsp_expert_crossover_seq
 
 __all__ = ["main", "build_parser"]
 
@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", type=float, default=256.0, metavar="GB",
                    help="pinned host memory an offloading mode may use per GPU, in GB (default 256: a DGX H200's "
                         "2 TB over 8 GPUs)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="foreach",
+                   help="AdamW implementation the optimizer step's peak is counted for: foreach (torch's CUDA "
+                        "default: one temporary of half the optimizer state), fused (AdamW(fused=True), in place) or "
+                        "forloop (default foreach)")
     p.add_argument("--headroom", type=float, default=0.9,
                    help="fraction of HBM a layout may use to count as fitting (default 0.9)")
     p.add_argument("--no-overlap", action="store_true",
@@ -170,7 +174,7 @@ def checkpointing_lines(rec: Estimate) -> list[str]:
     lines = [f"checkpointing modes for {rec.layout.label} {rec.layout.degrees}:"]
     for mode in CHECKPOINTING:
         e = estimate(rec.shape, rec.layout, rec.hardware, rec.precision, rec.micro_batch, rec.seq_len, mode,
-                     headroom=rec.headroom)
+                     headroom=rec.headroom, optimizer=rec.optimizer)
         host = host_bytes(*args, mode)
         extra = f", {host / GiB:.1f} GiB pinned host memory per GPU" if host else ""
         lines.append(f"  {mode:<15} {e.peak_bytes / GiB:6.1f} GiB  {'fits' if e.fits else 'does NOT fit':<12} "
@@ -201,7 +205,7 @@ def needs_lines(rec: Estimate, host_limit_gb: float) -> list[str]:
             found = []
             for mode in CHECKPOINTING:
                 e = estimate(shape, rec.layout, rec.hardware, prec, rec.micro_batch, rec.seq_len, mode,
-                             headroom=rec.headroom)
+                             headroom=rec.headroom, optimizer=rec.optimizer)
                 host = host_bytes(shape, rec.layout, prec, rec.micro_batch, rec.seq_len, mode)
                 found.append((e, mode + options, host, e.fits and host <= host_limit_gb * 1e9))
             if any(f[3] for f in found):
@@ -241,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PlanError(f"--headroom {args.headroom} must be in (0, 1]")
         plan = make_plan(shape, hw, prec, args.seq_len, args.gpus, args.gpus_per_node, args.micro_batch,
                          args.checkpointing, overlap=not args.no_overlap, headroom=args.headroom,
-                         tsp_degree=args.tsp_degree)
+                         tsp_degree=args.tsp_degree, optimizer=args.optimizer)
     except (ValueError, OSError) as exc:  # PlanError is a ValueError
         parser.error(str(exc))
     print(_describe_model(shape))

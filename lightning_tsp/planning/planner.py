@@ -196,12 +196,13 @@ def _rank(ests: list[Estimate]) -> list[Estimate]:
 
 def make_plan(shape: ModelShape, hw: Hardware, precision: Precision, seq_len: int, gpus: int, gpus_per_node: int,
               micro_batch: int = 1, checkpointing: str = "full", overlap: bool = True, headroom: float = 0.9,
-              tsp_degree: int | None = None) -> Plan:
-    """Validate, enumerate and rank every candidate layout (``tsp_degree`` restricts TSP to one D)."""
+              tsp_degree: int | None = None, optimizer: str = "foreach") -> Plan:
+    """Validate, enumerate and rank every candidate layout (``tsp_degree`` restricts TSP to one D; ``optimizer``:
+    the AdamW implementation whose step the memory model counts)."""
     validate(shape, seq_len, gpus, gpus_per_node, micro_batch, tsp_degree)
     notes: list[str] = []
     layouts = candidate_layouts(shape, seq_len, gpus, gpus_per_node, notes, tsp_degree)
-    ests = [estimate(shape, l, hw, precision, micro_batch, seq_len, checkpointing, overlap, headroom)
+    ests = [estimate(shape, l, hw, precision, micro_batch, seq_len, checkpointing, overlap, headroom, optimizer)
             for l in layouts]
     ests = _rank(ests)
     best = ests[0]

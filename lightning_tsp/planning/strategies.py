@@ -153,6 +153,7 @@ class Estimate:
     expert_schedule: str | None = None  # TSP on an MoE model: "ring" or "dispatch"
     shard_group: int | None = None  # TSP: owners per broadcast-schedule step ("auto" as the model resolves it)
     fixed_s: float = 0.0  # TSP: fitted fixed cost beyond the FLOPs (tsp_fixed_s); not in step_s, see step_fitted_s
+    optimizer: str = "foreach"  # the AdamW implementation whose step the memory counts (OPTIMIZERS)
 
     @property
     def step_fitted_s(self) -> float:
@@ -276,10 +277,11 @@ def _layer_activations(shape: ModelShape, p: Precision, mode: str, *, T_res: flo
     return full, saved
 
 
-# torch.optim.AdamW on CUDA defaults to the foreach implementation (the benchmark harness uses it too), which
+# AdamW implementations the memory model knows: torch.optim.AdamW on CUDA defaults to "foreach", which
 # materialises one temporary per parameter of the state dtype (half the optimizer-state bytes) during the step;
-# AdamW(fused=True) updates in place (set this to True to model it).
-FUSED_OPTIMIZER = False
+# "fused" (AdamW(fused=True), torchtitan's default) updates in place; "forloop" one parameter at a time (no
+# temporary worth counting)
+OPTIMIZERS = ("foreach", "fused", "forloop")
 
 LM_HEAD_TOKEN_CHUNK = 4096  # tokens per logit block in TSP's ring cross-entropy (TSPLMHead's default)
 
@@ -297,13 +299,15 @@ def ring_transient_bytes(M: int, tokens: float, hidden: int, D: int, w: int, a: 
 
 
 def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S: int, checkpointing: str,
-                     expert_schedule: str | None = None, shard_group: int | str = "auto") -> dict[str, float]:
+                     expert_schedule: str | None = None, shard_group: int | str = "auto",
+                     optimizer: str = "foreach") -> dict[str, float]:
     """Peak bytes on one GPU and its parts.
 
     train_peak = weights + compute_copy + optimizer
                + max(n_layers * saved_per_layer + max(layer_working, head_working),   (start of backward)
                      grads + layer_working)                                             (end of backward)
-    optimizer_step_peak = weights + grads + 1.5 * optimizer       (foreach AdamW temporary)
+    optimizer_step_peak = weights + grads + 1.5 * optimizer       (``optimizer="foreach"``: AdamW's temporary;
+                                                                   1.0 * optimizer for "fused" / "forloop")
     peak = max(train_peak, optimizer_step_peak)
     layer_working: one layer's activations that are not saved (recomputed in backward) + the strategy's transient
     buffers during a layer; head_working: the LM-head stage (logits + vocab buffers), which runs while every
@@ -311,6 +315,8 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     MoE layers: activations with the SwiGLU width a token meets (k*F_e + F_s); TSP's transient buffers of the
     ``expert_schedule`` ("ring": the expert ring's shards; "dispatch": the routed rows in flight; None: the larger).
     """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: the memory model knows {OPTIMIZERS}")
     s, h, V = layout.strategy, shape.hidden_size, shape.vocab_size
     a, w = p.compute, p.compute
     n = local_params(shape, layout)
@@ -431,7 +437,7 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     )
     # optimizer step: activations and autocast copies are gone; foreach AdamW materialises one temporary of the
     # state dtype per parameter (sqrt of exp_avg_sq), i.e. half the optimizer-state bytes
-    mem["optimizer_step_peak"] = mem["weights"] + mem["grads"] + mem["optimizer"] * (1.0 if FUSED_OPTIMIZER else 1.5)
+    mem["optimizer_step_peak"] = mem["weights"] + mem["grads"] + mem["optimizer"] * (1.5 if optimizer == "foreach" else 1.0)
     mem["peak"] = max(mem["train_peak"], mem["optimizer_step_peak"])
     return mem
 
@@ -576,9 +582,10 @@ def tsp_fixed_s(shape: ModelShape, D: int, shard_group: int, checkpointing: str)
 
 
 def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: int, S: int,
-             checkpointing: str = "full", overlap: bool = True, headroom: float = 0.9) -> Estimate:
+             checkpointing: str = "full", overlap: bool = True, headroom: float = 0.9,
+             optimizer: str = "foreach") -> Estimate:
     """Memory, communication, FLOPs and an estimated step time (one micro-batch per replica, no gradient
-    accumulation, optimizer step not timed).
+    accumulation, optimizer step not timed; ``optimizer``: the AdamW implementation, :data:`OPTIMIZERS`).
 
     step = max(compute, overlappable comm) + exposed comm   (``overlap=False``: compute + all comm)
     Overlappable: TSP's prefetched weight broadcasts / ring sends / K/V all-gathers, FSDP's prefetched
@@ -589,7 +596,7 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
     schedule = None
     if layout.strategy == "tsp" and shape.is_moe:
         schedule = tsp_expert_schedule(shape, layout, hw, p, B, S)
-    mem = memory_breakdown(shape, layout, p, B, S, checkpointing, schedule)
+    mem = memory_breakdown(shape, layout, p, B, S, checkpointing, schedule, optimizer=optimizer)
     comm = communication(shape, layout, p, B, S, checkpointing, schedule or "ring")
     tf = training_flops(shape, B, S, checkpointing)
     if layout.strategy == "tsp":
@@ -616,7 +623,7 @@ def estimate(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision, B: i
         ex += shape.n_moe_layers * runs * (1 if schedule == "ring" else 2) * HOST_SYNC_S
     step = max(compute_s, ov) + ex
     return Estimate(layout, shape, hw, p, B, S, checkpointing, mem, comm, flops, compute_s, ov, ex, step,
-                    headroom, expert_schedule=schedule, shard_group=group, fixed_s=fixed)
+                    headroom, expert_schedule=schedule, shard_group=group, fixed_s=fixed, optimizer=optimizer)
 
 
 def _moe_args(shape: ModelShape, layout: Layout, hw: Hardware, p: Precision) -> dict:
