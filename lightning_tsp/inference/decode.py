@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 import weakref
 
 import torch
@@ -303,6 +304,7 @@ class Decoder:
         self.logits: Tensor | None = None
         # the prefill's graph (see :meth:`prefill`) and its static input and output buffers
         self.prefill_graph = None
+        self.prefill_graph_error: Exception | None = None  # why a capture failed (then the prefill runs eagerly)
         self._prompt: tuple[Tensor, Tensor] | None = None
         self._hidden: Tensor | None = None
 
@@ -327,13 +329,19 @@ class Decoder:
         eagerly with these shapes: kernels and plans are initialised) and every later refill copies the prompt
         batch into the graph's input buffers and replays it: the same kernels on the same buffers, launched at
         once. The returned tensor is the graph's output buffer: the next refill overwrites it."""
-        if not self.graphs_prefill(padded_ids.shape[1]):
+        if not self.graphs_prefill(padded_ids.shape[1]) or self.prefill_graph_error is not None:
             return prefill(self.model, padded_ids, prompt_lens, decode_steps, cache=self.cache)[1]
         if self.prefill_graph is None:
             self._prompt = (padded_ids.clone(), prompt_lens.to(padded_ids.device, copy=True))
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._hidden = prefill(self.model, *self._prompt, decode_steps, cache=self.cache)[1]
+            try:
+                with torch.cuda.graph(graph):
+                    self._hidden = prefill(self.model, *self._prompt, decode_steps, cache=self.cache)[1]
+            except RuntimeError as e:  # a capture records without running: nothing was computed, run it eagerly
+                self.prefill_graph_error = e
+                warnings.warn(f"the prefill could not be captured in a CUDA graph ({type(e).__name__}: {e}); this "
+                              f"decoder prefills eagerly (same result)", RuntimeWarning, stacklevel=3)
+                return prefill(self.model, padded_ids, prompt_lens, decode_steps, cache=self.cache)[1]
             self.prefill_graph = graph  # only a complete capture is kept
         else:
             for buf, new in zip(self._prompt, (padded_ids, prompt_lens)):
