@@ -103,9 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="TSP: the MLP ring keeps its gate/up pre-activations for backward or recomputes them")
     ap.add_argument("--shard-group", type=_shard_group, default="auto",
                     help="TSP: owners per broadcast-schedule step (a divisor of --world, or auto)")
-    ap.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach",
-                    help="AdamW implementation, fp32 states (foreach: torch's CUDA default; its sqrt temporary adds "
-                         "4 B/param to the optimizer-step peak; fused does not)")
+    ap.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="fused",
+                    help="AdamW implementation, fp32 states, for every strategy (fused: torchtitan's default, in "
+                         "place; foreach: torch's CUDA default, whose sqrt temporary adds 4 B/param to the "
+                         "optimizer-step peak)")
     ap.add_argument("--rmsnorm", choices=("torch", "manual"), default="torch",
                     help="baselines' RMSNorm: nn.RMSNorm or elementary ops (if the fused kernel lacks DTensor rules)")
     ap.add_argument("--sdpa-backend", choices=("auto", "cudnn", "flash", "math", "default"), default="auto",

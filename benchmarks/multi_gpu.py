@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tsp-checkpointing", choices=CHECKPOINTING, default="offload",
                    help="TSP rows' activation checkpointing: offload (default; TSP's leanest and, at long context, "
                         "fastest mode: layer inputs and attention outputs in pinned host memory) or as the rivals")
-    g.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="foreach")
+    g.add_argument("--optimizer", choices=("foreach", "fused", "forloop"), default="fused")
     g.add_argument("--attention-kernel", default="auto")
     g.add_argument("--sdpa-backend", default="auto")
     g.add_argument("--fsdp-precision", choices=("policy", "autocast"), default="policy")
