@@ -35,7 +35,7 @@ class Setup:
     device: str = "cuda"
     autocast: bool = True  # bf16 autocast over fp32 weights (bf16-mixed)
     param_dtype: str = "float32"  # the weights' dtype: bfloat16 with autocast False is bf16-true (TSP only)
-    optimizer: str = "fused"  # fused (torchtitan's default; the for-loop step on CPU) | foreach (torch's CUDA default) | forloop
+    optimizer: str = "fused"  # fused (torchtitan's default; for-loop on CPU) | foreach (torch's CUDA default) | forloop
     norm: str = "torch"  # RMSNorm: torch (nn.RMSNorm) | manual
     sdpa_backend: str = "auto"  # square causal SDPA (TP, TP-SP, FSDP): auto | cudnn | flash | math | default
     attention_kernel: str = "auto"  # zigzag calls (SP, TPxSP, FSDP+CP, TSP): lightning_tsp kernel name

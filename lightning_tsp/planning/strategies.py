@@ -437,7 +437,8 @@ def memory_breakdown(shape: ModelShape, layout: Layout, p: Precision, B: int, S:
     )
     # optimizer step: activations and autocast copies are gone; foreach AdamW materialises one temporary of the
     # state dtype per parameter (sqrt of exp_avg_sq), i.e. half the optimizer-state bytes
-    mem["optimizer_step_peak"] = mem["weights"] + mem["grads"] + mem["optimizer"] * (1.5 if optimizer == "foreach" else 1.0)
+    temporary = 0.5 if optimizer == "foreach" else 0.0
+    mem["optimizer_step_peak"] = mem["weights"] + mem["grads"] + mem["optimizer"] * (1.0 + temporary)
     mem["peak"] = max(mem["train_peak"], mem["optimizer_step_peak"])
     return mem
 
