@@ -181,6 +181,17 @@ def test_benchmark_times_whole_generate_calls(tmp_path):
     assert "x steady" in proc.stdout and proc.stdout.count("| 1 | TSP D=2 rank 0 | 10 |") == 3
 
 
+def test_prefill_benchmark_runs_both_schedules():
+    """benchmarks/prefill_graph.py on CPU (eager only there): the grouped prefill and --one-owner-per-step."""
+    for extra in ([], ["--one-owner-per-step"]):
+        args = ["--device", "cpu", "--model", "tiny", "--tsp-size", "2", "--prompt-len", "64", "--repeats", "1", *extra]
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.prefill_graph", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=170, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert "eager prefill median" in proc.stdout and "Decoder.prefill graphed=False" in proc.stdout
+        assert ("one owner per step" in proc.stdout) == bool(extra)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kept_cuda_graph_replays_exactly(dtype):
