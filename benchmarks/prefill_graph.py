@@ -3,9 +3,10 @@
 ``python -m benchmarks.prefill_graph --tsp-size 8 --prompt-len 2048`` builds the model (bf16, random weights),
 times ``prefill`` after two warm-up prefills (synchronised, median of ``--repeats``), then a
 :class:`~lightning_tsp.inference.decode.Decoder`'s refills (``Decoder.prefill``: the first one captures the graph,
-the next ones replay it; eager where ``graphs_prefill`` says no). ``--one-owner-per-step`` runs the broadcast
-schedule without shard grouping (the prefill before 2026-12-06). ``--profile`` prints one eager prefill's kernel
-time and kernel count. Communication is excluded (the fake group's collectives return at once).
+the next ones replay it; eager where ``graphs_prefill`` says no). ``--one-owner-per-step`` builds the model with
+``shard_group=1``: the broadcast schedule one owner per step, as the prefill ran before 2026-12-06. ``--profile``
+prints one eager prefill's kernel time and kernel count. Communication is excluded (the fake group's collectives
+return at once).
 """
 
 from __future__ import annotations
@@ -36,12 +37,9 @@ def main(argv=None) -> None:
     from lightning_tsp import TSPGroup, TSPLlama
     from lightning_tsp.inference import prefill
     from lightning_tsp.inference.decode import Decoder
-    from lightning_tsp.layers.attention import TSPAttention
     from lightning_tsp.models.llama import get_config
 
     d, s, b = args.tsp_size, args.prompt_len, args.batch
-    if args.one_owner_per_step:
-        TSPAttention.step_group = lambda self, batch, local_len, dtype: 1
     tsp = None
     if d > 1:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -49,7 +47,8 @@ def main(argv=None) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=d)
         tsp = TSPGroup.from_process_group(dist.group.WORLD)
     cfg = get_config(args.model)
-    model = TSPLlama(cfg, tsp, attention_kernel=args.attention_kernel, device="meta", dtype=torch.bfloat16)
+    model = TSPLlama(cfg, tsp, attention_kernel=args.attention_kernel, device="meta", dtype=torch.bfloat16,
+                     shard_group=1 if args.one_owner_per_step else "auto")
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     model.to_empty(device=dev)

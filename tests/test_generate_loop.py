@@ -220,7 +220,7 @@ def test_kept_cuda_graph_replays_exactly(dtype):
         assert decoder.graph is not None and (graph is None or decoder.graph is graph)
         graph = decoder.graph
         assert decoder.prefill_graph_error is None, decoder.prefill_graph_error
-        assert decoder.graphs_prefill(300) and (decoder.prefill_graph is None) == (seed == 0), seed
+        assert decoder.graphs_prefill and (decoder.prefill_graph is None) == (seed == 0), seed
         assert prefill_graph is None or decoder.prefill_graph is prefill_graph
         prefill_graph = decoder.prefill_graph
     assert release(model) == 1 and len(pool) == 0

@@ -315,40 +315,47 @@ class Decoder:
             raise RuntimeError("this Decoder's model has been deleted")
         return model
 
-    def graphs_prefill(self, padded_len: int) -> bool:
+    @property
+    def graphs_prefill(self) -> bool:
         """Whether :meth:`prefill` runs from a CUDA graph: graphs on, dense layers (an expert dispatch reads its
-        row counts on the host), at most :data:`PREFILL_GRAPH_MAX_TOKENS` local prompt tokens."""
-        local = self.cache.prompt_lens.shape[0] * padded_len // self.cache.size
-        return self.graphs and not self.model.cfg.num_experts and local <= PREFILL_GRAPH_MAX_TOKENS
+        row counts on the host), at most :data:`PREFILL_GRAPH_MAX_TOKENS` local prompt tokens, and no failed
+        capture (:attr:`prefill_graph_error`)."""
+        local = self.cache.prompt_lens.shape[0] * self.cache.prefill_slots
+        return (self.graphs and not self.model.cfg.num_experts and local <= PREFILL_GRAPH_MAX_TOKENS
+                and self.prefill_graph_error is None)
 
     @torch.no_grad()
     def prefill(self, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -> Tensor:
         """Refill this decoder's cache with a new prompt batch of its shapes (:func:`prefill` with ``cache=``);
         returns the final-norm hidden state [B, h] of each sequence's last prompt token. Where
-        :meth:`graphs_prefill`, the first refill captures the prefill (the call that built this decoder ran it
+        :attr:`graphs_prefill`, the first refill captures the prefill (the call that built this decoder ran it
         eagerly with these shapes: kernels and plans are initialised) and every later refill copies the prompt
         batch into the graph's input buffers and replays it: the same kernels on the same buffers, launched at
         once. The returned tensor is the graph's output buffer: the next refill overwrites it."""
-        if not self.graphs_prefill(padded_ids.shape[1]) or self.prefill_graph_error is not None:
-            return prefill(self.model, padded_ids, prompt_lens, decode_steps, cache=self.cache)[1]
+        if self.prefill_graph is None and self.graphs_prefill:
+            self._capture_prefill(padded_ids, prompt_lens, decode_steps)
         if self.prefill_graph is None:
-            self._prompt = (padded_ids.clone(), prompt_lens.to(padded_ids.device, copy=True))
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    self._hidden = prefill(self.model, *self._prompt, decode_steps, cache=self.cache)[1]
-            except RuntimeError as e:  # a capture records without running: nothing was computed, run it eagerly
-                self.prefill_graph_error = e
-                warnings.warn(f"the prefill could not be captured in a CUDA graph ({type(e).__name__}: {e}); this "
-                              f"decoder prefills eagerly (same result)", RuntimeWarning, stacklevel=3)
-                return prefill(self.model, padded_ids, prompt_lens, decode_steps, cache=self.cache)[1]
-            self.prefill_graph = graph  # only a complete capture is kept
-        else:
-            for buf, new in zip(self._prompt, (padded_ids, prompt_lens)):
-                buf.copy_(new)
-        self.prefill_graph.replay()  # capture records without running: the first replay is the refill
+            return prefill(self.model, padded_ids, prompt_lens, decode_steps, cache=self.cache)[1]
+        for buf, new in zip(self._prompt, (padded_ids, prompt_lens)):
+            buf.copy_(new)
+        self.prefill_graph.replay()  # capture records without running: the first replay is the first refill
         self.cache.step = 0  # the host side of the refill (KVCache.reuse), which the replay does not run
         return self._hidden
+
+    def _capture_prefill(self, padded_ids: Tensor, prompt_lens: Tensor, decode_steps: int) -> None:
+        """Capture the prefill over static copies of the prompt batch; a capture that raises leaves no graph (it
+        computed nothing) and a warning, and this decoder prefills eagerly from then on."""
+        self._prompt = (padded_ids.clone(), prompt_lens.to(padded_ids.device, copy=True))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._hidden = prefill(self.model, *self._prompt, decode_steps, cache=self.cache)[1]
+        except RuntimeError as e:
+            self.prefill_graph_error = e
+            warnings.warn(f"the prefill could not be captured in a CUDA graph ({type(e).__name__}: {e}); this "
+                          f"decoder prefills eagerly (same result)", RuntimeWarning, stacklevel=4)
+            return
+        self.prefill_graph = graph  # only a complete capture is kept
 
     def _eager(self) -> Tensor:
         model = self.model
