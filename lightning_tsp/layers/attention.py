@@ -586,16 +586,21 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
     lay = spec.step_layout
     x2 = x.reshape(b * l, h)
     # every head group's o and Wo_j^T land in one [B*L, D*nq*d] / [D*nq*d, h] pair: one output-projection GEMM
-    # at the end (full K, fp32 accumulation inside the GEMM) instead of D thin GEMMs into an accumulator
-    o_all = x.new_empty(b * l, spec.steps * lay.q_rows)
-    wo_all = x.new_empty(spec.steps * lay.q_rows, h)
+    # at the end (full K, fp32 accumulation inside the GEMM) instead of D thin GEMMs into an accumulator. With one
+    # step (every owner's shard at once) the GEMM reads that step's o and Wo^T where they are: nothing is copied
+    one_step = spec.steps == 1
+    o_all = None if one_step else x.new_empty(b * l, spec.steps * lay.q_rows)
+    wo_all = None if one_step else x.new_empty(spec.steps * lay.q_rows, h)
     owners: list[OwnerSaved] = []
     groups: list[GroupSaved] = []
     kv: GatheredKV | None = None
     replaying = spec.stash is not None and spec.stash.replaying  # recompute: the kernels' outputs are known
     for j, buf in schedule_shards(spec, shard) if steps is None else steps:
         view = lay.view(buf)
-        wo_all[j * lay.q_rows : (j + 1) * lay.q_rows] = view.w_o  # a block of whole rows
+        if one_step:
+            wo_all = view.w_o
+        else:
+            wo_all[j * lay.q_rows : (j + 1) * lay.q_rows] = view.w_o  # a block of whole rows
         first = lay.starts_group(j)
         p = project_qkv(spec, view, x2, norms, b, l, with_kv=first)
         if first:
@@ -615,7 +620,10 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
                 spec.stash.record(o, lse)
         if lay.ends_group(j):
             kv = None  # the group's gathered K/V are not needed any more
-        o_all[:, j * lay.q_rows : (j + 1) * lay.q_rows] = o.view(b * l, lay.q_rows)
+        if one_step:
+            o_all = o.reshape(b * l, lay.q_rows)
+        else:
+            o_all[:, j * lay.q_rows : (j + 1) * lay.q_rows] = o.view(b * l, lay.q_rows)
         if save:
             owners.append(OwnerSaved(q, o, lse, p.q_raw if spec.qk_norm else None))
     y = o_all @ wo_all
@@ -741,7 +749,11 @@ class BroadcastAttention(torch.autograd.Function):
     order, then the replicated q/k norm weights."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, spec: _AttnSpec, *params):
+    def forward(ctx, x_in, cos, sin, spec: _AttnSpec, dtype: torch.dtype, *params):
+        # x_in in the residual stream's dtype (the norm's output), cast to the compute dtype here, so its gradient
+        # goes back in that dtype straight from the fp32 accumulator (no round trip through the compute dtype)
+        x = x_in.to(dtype)
+        ctx.in_dtype = x_in.dtype
         n_sharded = len(spec.layout.shapes())
         sharded, norms = params[:n_sharded], [w.to(x.dtype) for w in params[n_sharded:]]
         shard = spec.layout.pack(list(sharded), x.dtype)  # one message per owner, in the compute dtype
@@ -775,7 +787,7 @@ class BroadcastAttention(torch.autograd.Function):
         del shard, steps
         d_sharded = spec.layout.unpack_grads(d_shard, list(sharded))
         d_norm_params = [g.to(w.dtype) for g, w in zip(d_norms, norm_params)]
-        return (dx.to(x.dtype), None, None, None, *d_sharded, *d_norm_params)
+        return (dx.to(ctx.in_dtype), None, None, None, None, *d_sharded, *d_norm_params)
 
 
 class AttentionStash:
@@ -899,7 +911,7 @@ class TSPAttention(nn.Module):
         params = self.shard_params() + self.norm_params()
         with torch.autocast(x.device.type, enabled=False):
             cos, sin = cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)  # broadcast over the heads
-            return BroadcastAttention.apply(x.to(dtype), cos, sin, spec, *params)
+            return BroadcastAttention.apply(x, cos, sin, spec, dtype, *params)
 
 
 class _HeadNorm(nn.Module):

@@ -24,7 +24,11 @@ class RingCrossEntropy(torch.autograd.Function):
     """Per-token loss [B, L] in fp32 (0 where the target is ``IGNORE_INDEX``) of hidden x [B, L, h] against targets."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, tsp: TSPGroup, token_chunk: int):
+    def forward(ctx, x_in, weight, targets, tsp: TSPGroup, token_chunk: int, dtype: torch.dtype):
+        """``x_in`` in the residual stream's dtype, cast to the compute ``dtype`` here: its gradient goes back in
+        the residual stream's dtype straight from the fp32 accumulator (no round trip through ``dtype``)."""
+        x = x_in.to(dtype)
+        ctx.in_dtype = x_in.dtype
         b, l, h = x.shape
         v_loc = weight.shape[0]
         x2, t = x.reshape(b * l, h), targets.reshape(-1)
@@ -70,14 +74,14 @@ class RingCrossEntropy(torch.autograd.Function):
                 p = torch.exp((x2[rows] @ w.T).to(acc_dtype) - lse[rows, None])  # softmax block [n, V/D]
                 p.scatter_add_(1, cols[rows, None], -mask[rows, None].to(acc_dtype))  # minus one-hot
                 dlogits = (p * g[rows, None]).to(x.dtype)
-                dx[rows] += dlogits @ w
+                add_matmul_(dx[rows], dlogits, w)  # fp32 epilogue on CUDA
                 write = acc is None
                 if write:  # the left neighbour's sum for shard s arrives while the first block computes
                     acc, fresh = take()
                     acc, write = acc.view(v_loc, h), fresh
                 # fp32 epilogue on CUDA; a fresh accumulator is written whole by the first block's GEMM
                 (matmul_into if write else add_matmul_)(acc, dlogits.T, x2[rows])
-        return dx.view(b, l, h).to(x.dtype), ring.grad.view(v_loc, h).to(weight.dtype), None, None, None
+        return dx.view(b, l, h).to(ctx.in_dtype), ring.grad.view(v_loc, h).to(weight.dtype), None, None, None, None
 
 
 class TSPLMHead(nn.Module):
@@ -99,4 +103,4 @@ class TSPLMHead(nn.Module):
         weight = local_tensor(self.weight if weight is None else weight)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
-            return RingCrossEntropy.apply(x.to(dtype), weight, targets, self.tsp, self.token_chunk)
+            return RingCrossEntropy.apply(x, weight, targets, self.tsp, self.token_chunk, dtype)

@@ -69,10 +69,14 @@ def pack_shard(w_gate: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype)
 
 class RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, tsp: TSPGroup, recompute: bool = False, gradients_only: bool = False,
-                save: bool = True, weight_grads: str = "auto"):
-        """``gradients_only``: a checkpointed layer's re-run (see the module docstring); ``save``: False where no
+    def forward(ctx, x_in, w_gate, w_up, w_down, tsp: TSPGroup, dtype: torch.dtype, recompute: bool = False,
+                gradients_only: bool = False, save: bool = True, weight_grads: str = "auto"):
+        """``x_in`` in the residual stream's dtype (the norm's output), cast to the compute ``dtype`` here, so its
+        gradient goes back in that dtype straight from the fp32 accumulator (no round trip through ``dtype``).
+        ``gradients_only``: a checkpointed layer's re-run (see the module docstring); ``save``: False where no
         backward will come (no grad mode: a checkpointed layer's first forward), so "keep" holds no pre-activations."""
+        x = x_in.to(dtype)
+        ctx.in_dtype = x_in.dtype
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
         f = w_gate.shape[0]  # F/D
@@ -81,7 +85,7 @@ class RingMLP(torch.autograd.Function):
             # a checkpointed layer's re-run in backward: its output is never read, only differentiated, so the
             # forward ring does not run; backward recomputes each shard's gate/up as the shard comes round
             ctx.save_for_backward(x, w_gate, w_up, w_down)
-            return x.new_zeros(()).expand(b, l, h)
+            return x.new_zeros(()).expand(b, l, h)  # in the compute dtype, like the output of the ring
         # each shard's down projection is added into one fp32 output as the shard passes (the GEMM's epilogue,
         # beta = 1): no per-shard output and no copy of the shards' Wd columns into one [h, F] operand
         keep = not recompute and save
@@ -113,7 +117,7 @@ class RingMLP(torch.autograd.Function):
             dx, grad = _backward_ring(tsp, x2, dy2, local, saved, ctx.recompute, acc_dtype)
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
         d_w = [g.to(w.dtype) for g, w in zip(unpack(grad, shapes), (w_gate, w_up, w_down))]
-        return (dx.view(b, l, h).to(x.dtype), *d_w, None, None, None, None, None)
+        return (dx.view(b, l, h).to(ctx.in_dtype), *d_w, None, None, None, None, None, None)
 
 
 def _shard_step(t, s, buf, x2, dy2, saved, recompute, dx):
@@ -202,5 +206,4 @@ class TSPGatedMLP(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             w = [local_tensor(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
             grad = torch.is_grad_enabled()
-            return RingMLP.apply(x.to(dtype), *w, self.tsp, self.recompute, self.rerun and grad, grad,
-                                 self.weight_grads)
+            return RingMLP.apply(x, *w, self.tsp, dtype, self.recompute, self.rerun and grad, grad, self.weight_grads)
