@@ -446,3 +446,48 @@ def test_cuda_graphs_match_eager(mode, autocast, compiled_pieces):
         assert abs(lg - le) <= 1e-5 * abs(le), (step, le, lg)
         for n in ge:
             assert rel_err(gg[n], ge[n]) < tol, (step, n, rel_err(gg[n], ge[n]))
+
+
+def _graphed_gradients_without_copies(rank, world):
+    """Worker of the test below: one process, a gloo group of 1 (no collective runs at D = 1), CUDA tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_tsp.sharding import distribute_parameters
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("tsp",))
+    tsp = TSPGroup(mesh.get_group(), 0, 1)
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, n_layers=3, n_heads=8, n_kv_heads=4, intermediate_size=1024)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (1, 2048), generator=g).cuda() for _ in range(9)]
+    runs = []
+    for graphs in (False, True):
+        model = TSPLlama(cfg, tsp, activation_checkpointing="keep-attention", cuda_graphs=graphs,
+                         dtype=torch.float32).cuda()
+        model.init_weights(seed=1)
+        distribute_parameters(model, mesh)
+        steps = []
+        for step in range(4):  # two micro-batches a step (step 1: warm-up + capture); step 2 zeroes, not drops
+            for ids in batches[2 * step : 2 * step + 2]:
+                model(*model.shard_batch(ids)).backward()
+            steps.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
+            model.zero_grad(set_to_none=step != 2)
+        model(*model.shard_batch(batches[8])).backward()  # one micro-batch after zero_grad(set_to_none=True)
+        steps.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
+        if graphs:  # the layers' gradients are the graphs' buffers themselves: no copy was made
+            buffers = {t.data_ptr() for e in model._layer_graphs.entries for t in e.grads[1:]}
+            layer_grads = [p.grad.to_local() for n, p in model.named_parameters() if ".layers." in f".{n}"]
+            assert layer_grads and all(t.data_ptr() in buffers for t in layer_grads)
+        runs.append(steps)
+    for step, (ge, gg) in enumerate(zip(*runs)):
+        for n in ge:
+            assert rel_err(gg[n], ge[n]) < 1e-5, (step, n, rel_err(gg[n], ge[n]))
+
+
+def test_cuda_graph_gradients_are_not_copied_and_accumulate():
+    """With DTensor parameters (as every strategy has them) autograd takes a graphed layer's gradient buffers as
+    ``.grad`` without a copy; gradient accumulation (the second micro-batch's replay would rewrite the first's
+    ``.grad``) and ``zero_grad(set_to_none=False)`` still give the eager model's gradients."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_graphed_gradients_without_copies, 1, timeout=300)
