@@ -19,12 +19,8 @@ Life cycle, per step signature (input shapes and dtypes, autocast, checkpointing
 Static buffers: layer 0's input and the top layer's output gradient are copied in; every other layer reads the
 neighbouring graph's output in place; the rotary tables are copied once per step. What a forward keeps for its
 backward (the layer input and, with ``keep-attention``, the attention outputs) stays in the pool until then.
-Parameters are read in place (the optimizer updates them in place). Each layer's backward graph leaves its
-parameter gradients in buffers of that layer's own (outside the pool, as large as the gradients), which autograd
-takes as the parameters' ``.grad`` without a copy (sharded DTensor parameters; a plain tensor's gradient is copied
-by autograd as in any backward). A ``.grad`` that still is a layer's buffer when that layer's next backward runs
-(gradient accumulation, ``zero_grad(set_to_none=False)``) first gets storage of its own, so no gradient a caller
-holds as ``.grad`` is ever overwritten.
+Parameters are read in place (the optimizer updates them in place); their gradients come out of the backward
+graph and are handed to autograd, which accumulates them as in any backward.
 
 ``cuda_graphs="auto"`` graphs only where it pays and can run (CUDA, ``full`` / ``keep-attention``, dense layers, no
 packed documents, at most :data:`GRAPHED_MAX_TOKENS` local tokens) and runs every other step eagerly.
@@ -84,6 +80,7 @@ class LayerGraphs:
         self.capturing = False
         self.storage: tuple[int, ...] = ()
         self.dx_buffers: list[Tensor] = []  # outside the graphs' pool (allocated before their captures)
+        self.grad_buffers: dict[tuple, list[Tensor]] = {}
         self.cos: Tensor | None = None
         self.sin: Tensor | None = None
         self.autocast: tuple[bool, torch.dtype] = (False, torch.float32)
@@ -126,13 +123,13 @@ class LayerGraphs:
             self.dx_buffers = [torch.empty_like(x) for _ in range(2)]
         return self.dx_buffers[i % 2]
 
-    def _own_grads(self, i: int) -> None:
-        """Give a ``.grad`` that still is layer i's gradient buffer (autograd took it at the layer's previous
-        backward) storage of its own, before the replay rewrites the buffer."""
-        buffers = {t.data_ptr() for t in self.entries[i].grads[1:] if t is not None}
-        for p in self.layers[i].parameters():
-            if p.grad is not None and local_tensor(p.grad).data_ptr() in buffers:
-                p.grad = p.grad.clone()
+    def _grad_buffers(self, leaves: list[Tensor]) -> list[Tensor]:
+        """Where a backward graph leaves its parameter gradients: one set for all layers of the same shapes (each
+        backward's gradients are copied out for autograd right after its replay, before the next one runs)."""
+        key = tuple((tuple(t.shape), t.dtype) for t in leaves)
+        if key not in self.grad_buffers:
+            self.grad_buffers[key] = [torch.empty_like(t) for t in leaves]
+        return self.grad_buffers[key]
 
     # ---- forward and backward of one layer --------------------------------------------------------------------
 
@@ -182,8 +179,7 @@ class LayerGraphs:
                     else None
                 e.dy = dy if above is not None and dy.data_ptr() == above.data_ptr() else dy.clone()
                 dy = e.dy
-                # this layer's own gradient buffers, outside the pool: autograd takes them as .grad (no copy)
-                out = [self._dx_buffer(i, e.x)] + [torch.empty_like(t) for t in leaves]
+                out = [self._dx_buffer(i, e.x)] + self._grad_buffers(leaves)
             names = [n for n, _ in layer.named_parameters()]
             x = e.x.detach().requires_grad_()
             stash = None
@@ -196,7 +192,7 @@ class LayerGraphs:
                     rerunning(layer, stash), _graphed_region(), self._graph(g):
                 y, _ = torch.func.functional_call(layer, dict(zip(names, leaves)), (x, cos, sin, None))
                 grads = torch.autograd.grad(y, [x] + leaves, dy)
-                if g is not None:  # into the layer's buffers: the graph's own results are freed for the next captures
+                if g is not None:  # into the shared buffers: the graph's own results are freed for the next captures
                     for buf, grad in zip(out, grads):
                         buf.copy_(grad)
             if stash is not None and stash.items:
@@ -208,7 +204,6 @@ class LayerGraphs:
             e.bwd, e.grads = g, out
         if dy.data_ptr() != e.dy.data_ptr():
             e.dy.copy_(dy)
-        self._own_grads(i)
         e.bwd.replay()
         return e.grads
 
@@ -228,5 +223,6 @@ class _GraphedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         grads = ctx.graphs.backward(ctx.i, dy, ctx.generation)
-        # the parameter gradients are the layer's own buffers: autograd takes them as they are (see _own_grads)
-        return (None, None, grads[0], None, None, *grads[1:])
+        dx, dparams = grads[0], grads[1:]
+        # the graph overwrites its gradient buffers at the next replay: autograd gets its own copies
+        return (None, None, dx, None, None, *[None if g is None else g.clone() for g in dparams])
