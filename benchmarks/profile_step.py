@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     runner = build(harness.make_setup(args, cfg, "cuda"))
     prime_optimizer(runner)
 
-    for _ in range(2):  # warm-up, then an unprofiled timing
+    for _ in range(3):  # warm-up (cuda_graphs: eager), a second warm-up (cuda_graphs: the capture), then a timing
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         runner.step()

@@ -18,3 +18,16 @@ def test_schedule_benchmark_prints_its_rows():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith(("| what", "| ---"))]
     assert len(rows) == 3, out.stdout
     assert all(float(r.rsplit("|", 2)[1]) > 0 for r in rows)
+
+
+def test_ring_gemms_benchmark_prints_its_table():
+    """python -m benchmarks.ring_gemms at tiny sizes on CPU: one row per token count, every variant timed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ring_gemms", "--tokens", "8", "16", "--hidden", "32", "--ffn", "64",
+         "--tsp-size", "4", "--reps", "1", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith(("| local", "| ---"))]
+    assert [r.split("|")[1].strip() for r in rows] == ["8", "16"], out.stdout
+    assert all(len(r.strip("|").split("|")) == 11 and all(float(c) > 0 for c in r.strip("| ").split("|")[1:]) for r in rows)
