@@ -62,7 +62,7 @@ ANCHORS = {
 # every option that defines one configuration (forwarded to subprocesses and printed in each row's command)
 CONFIG_OPTS = ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "world", "tp", "sp", "rank",
                "micro_batch", "precision", "checkpointing", "optimizer", "rmsnorm", "sdpa_backend", "attention_kernel",
-               "fsdp_precision", "kv_bucket_heads", "shard_group", "mlp_activations", "cuda_graphs", "compile", "compile_backend", "compile_scope", "profile", "steps",
+               "fsdp_precision", "kv_bucket_heads", "shard_group", "mlp_activations", "cuda_graphs", "tsp_params", "compile", "compile_backend", "compile_scope", "profile", "steps",
                "warmup", "device")
 
 
@@ -118,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cuda-graphs", type=_cuda_graphs, default=False,
                     help="tsp: CUDA-graphed layers (TSPLlama cuda_graphs: false | true | auto); graphs need two "
                          "untimed steps (warm-up, capture): --warmup is raised to 2")
+    ap.add_argument("--tsp-params", choices=("dtensor", "plain"), default="dtensor",
+                    help="tsp: parameters as DTensors on a 'tsp' mesh, as TSPStrategy and the Fabric strategy hold "
+                         "them (optimizer and gradients included), or plain local tensors (the rows before 2026-12-07)")
     ap.add_argument("--profile", action="store_true",
                     help="profile one more step: gpu_busy_s (the union of kernel time) and kernels in the row")
     ap.add_argument("--memory-snapshot", metavar="PICKLE",
@@ -160,6 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.compile and args.strategy == "tsp" and not args.sweep:
         ap.error(TSP_COMPILE)
+    if args.tsp_params != "dtensor" and args.strategy != "tsp" and not args.sweep:
+        ap.error("--tsp-params is TSP's: the rivals' parameters are what their DTensor plans make them")
     if args.cuda_graphs is not False and args.strategy != "tsp" and not args.sweep:
         ap.error("--cuda-graphs is TSP's (TSPLlama(cuda_graphs=...)); the rivals compile with --compile")
     if args.cuda_graphs is not False:
@@ -222,6 +227,8 @@ def single_command(args, strategy=None, seq=None, layers=None, tp=None, sp=None,
         if k in ("compile_backend", "compile_scope") and not vals["compile"]:
             continue
         flag = f"--{k.replace('_', '-')}"
+        if k == "tsp_params" and vals["strategy"] != "tsp":
+            continue
         if k == "cuda_graphs":  # TSP's option: a value (true / auto), and only on tsp rows of a sweep
             if vals["strategy"] == "tsp":
                 cmd += [flag, str(v).lower()]
@@ -243,7 +250,7 @@ def make_setup(args, cfg, device: str):
                  param_dtype="bfloat16" if args.precision == "bf16-true" else "float32", optimizer=args.optimizer, sdpa_backend=args.sdpa_backend,
                  attention_kernel=args.attention_kernel, fsdp_precision=args.fsdp_precision,
                  norm=args.rmsnorm, kv_bucket_heads=args.kv_bucket_heads, shard_group=args.shard_group,
-                 cuda_graphs=args.cuda_graphs if args.strategy == "tsp" else False,
+                 cuda_graphs=args.cuda_graphs if args.strategy == "tsp" else False, tsp_params=args.tsp_params,
                  compile=args.compile, compile_backend=args.compile_backend, compile_scope=args.compile_scope)
 
 
@@ -373,6 +380,7 @@ def base_row(args, cfg) -> dict:
         "checkpointing": args.checkpointing, "kv_bucket_heads": args.kv_bucket_heads,
         "mlp_activations": args.mlp_activations if tsp else None,
         "shard_group": args.shard_group, "cuda_graphs": args.cuda_graphs if tsp else None,
+        "tsp_params": args.tsp_params if tsp else None,
         "optimizer": args.optimizer, "warmup": args.warmup,
         "steps": args.steps, "gpus_per_node": args.gpus_per_node, "hardware": args.hardware,
         "excluded": EXCLUDED, "status": "?", "step_s": None, "peak_gb": None, "host_peak_gb": None,

@@ -164,3 +164,35 @@ def _equivalence(rank: int, world: int, strategies=("tp", "tp_sp", "sp", "fsdp_c
 def test_baselines_match_unsharded_model_on_gloo():
     """4 real processes: TP=4, TP-SP=4, SP=4, FSDP+CP=4 and TP x SP = 2 x 2 against the unsharded model."""
     run_distributed(_equivalence, 4, timeout=170)
+
+
+_TSP_PARAMS_CHECK = """
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from benchmarks import harness
+from benchmarks.baselines import build
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+for kind in ("dtensor", "plain"):
+    args = harness.parse_args(["--strategy", "tsp", "--tsp-params", kind, "--world", "2", *{tiny}])
+    runner = build(harness.make_setup(args, harness.model_config(args), "cpu"))
+    runner.forward_backward()
+    params = list(runner.model.parameters())
+    want = kind == "dtensor"
+    assert all(isinstance(p, DTensor) is want and isinstance(p.grad, DTensor) is want for p in params), kind
+    runner.optimizer.step()
+    print(kind, "ok", len(params))
+"""
+
+
+def test_tsp_rows_hold_parameters_as_the_strategies_do():
+    """--tsp-params dtensor (the default): TSP's parameters and gradients are DTensors on a 'tsp' mesh, as under
+    TSPStrategy / the Fabric strategy (the rivals' are DTensors too); plain: local tensors, as rows before
+    2026-12-07. A rival refuses the option."""
+    code = _TSP_PARAMS_CHECK.replace("{tiny}", repr(TINY))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[:2] for line in proc.stdout.splitlines()] == [["dtensor", "ok"], ["plain", "ok"]]
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.harness", "--strategy", "tp", "--tsp-params",
+                              "plain", *TINY], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--tsp-params is TSP's" in refused.stderr

@@ -43,6 +43,7 @@ class Setup:
     kv_bucket_heads: int | None = None  # tsp: KV heads gathered at once (head bucketing)
     shard_group: int | str = "auto"  # tsp: owners per broadcast-schedule step
     cuda_graphs: bool | str = False  # tsp: CUDA-graphed layers (TSPLlama(cuda_graphs=...))
+    tsp_params: str = "dtensor"  # tsp: DTensor parameters on a "tsp" mesh (as the strategies) | plain
     compile: bool = False  # rivals: each transformer block under torch.compile (apply_compile)
     compile_backend: str = "inductor"  # torch.compile backend (aot_eager: tests on CPU)
     compile_scope: str = "checkpointed-block"  # what torch.compile wraps: see wrap_blocks
