@@ -226,12 +226,11 @@ def single_command(args, strategy=None, seq=None, layers=None, tp=None, sp=None,
             continue
         if k in ("compile_backend", "compile_scope") and not vals["compile"]:
             continue
+        if k in ("cuda_graphs", "tsp_params") and vals["strategy"] != "tsp":
+            continue  # TSP's options: only on tsp rows of a sweep
         flag = f"--{k.replace('_', '-')}"
-        if k == "tsp_params" and vals["strategy"] != "tsp":
-            continue
-        if k == "cuda_graphs":  # TSP's option: a value (true / auto), and only on tsp rows of a sweep
-            if vals["strategy"] == "tsp":
-                cmd += [flag, str(v).lower()]
+        if k == "cuda_graphs":  # a value: true / auto
+            cmd += [flag, str(v).lower()]
             continue
         cmd += [flag] if v is True else [flag, str(v)]
     return cmd + list(extra)

@@ -12,21 +12,21 @@ from .common import Runner, Setup, autocast_ctx, make_batch, make_optimizer
 
 def build(setup: Setup, full_state: dict | None = None) -> Runner:
     from lightning_tsp import TSPGroup, TSPLlama
+    from lightning_tsp.mesh import TSP_DIM, Topology, build_mesh, tsp_group
+    from lightning_tsp.sharding import distribute_parameters
 
-    tsp = TSPGroup.from_process_group(dist.group.WORLD)
+    if setup.tsp_params not in ("dtensor", "plain"):
+        raise ValueError(f"tsp_params={setup.tsp_params!r}: choose 'dtensor' or 'plain'")
+    # "dtensor": the group and the parameters' mesh as TSPStrategy builds them (one replica of world ranks)
+    mesh = build_mesh(Topology(1, setup.world), torch.device(setup.device).type) \
+        if setup.tsp_params == "dtensor" else None
+    tsp = tsp_group(mesh) if mesh is not None else TSPGroup.from_process_group(dist.group.WORLD)
     model = TSPLlama(setup.cfg, tsp, attention_kernel=setup.attention_kernel,
                      activation_checkpointing=setup.checkpointing, kv_bucket_heads=setup.kv_bucket_heads,
                      shard_group=setup.shard_group, cuda_graphs=setup.cuda_graphs, device=setup.device,
                      dtype=getattr(torch, setup.param_dtype))
-    if setup.tsp_params == "dtensor":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from lightning_tsp.sharding import distribute_parameters
-
-        mesh = init_device_mesh(torch.device(setup.device).type, (setup.world,), mesh_dim_names=("tsp",))
-        distribute_parameters(model, mesh)
-    elif setup.tsp_params != "plain":
-        raise ValueError(f"tsp_params={setup.tsp_params!r}: choose 'dtensor' or 'plain'")
+    if mesh is not None:
+        distribute_parameters(model, mesh[TSP_DIM])
     opt = make_optimizer(model.parameters(), setup)
     ids, _ = make_batch(setup)
     inputs = [x.to(setup.device) for x in model.shard_batch(ids)]
