@@ -630,11 +630,27 @@ def broadcast_attention(spec: _AttnSpec, x: Tensor, cos: Tensor, sin: Tensor, sh
     return y.view(b, l, h), owners, groups
 
 
+@fused_on_cuda(rows_heads)
+def kv_grad_into(dk: Tensor, dv: Tensor, dkv: Tensor, cos: Tensor | None, sin: Tensor | None) -> None:
+    """This rank's dK/dV ``dkv`` [B, L, 2n, d] (fp32, summed over the group: K heads, then V heads) into ``dk``,
+    ``dv`` [B, L, n, d] (views of the projections' gradient, compute dtype): dK rounded to that dtype, then with
+    ``cos``/``sin`` back through RoPE. On CUDA one compiled kernel instead of two strided converting copies,
+    RoPE's pass and a strided copy."""
+    n = dk.shape[2]
+    if cos is None:
+        dk.copy_(dkv[:, :, :n])
+    else:
+        apply_rope_backward(dkv[:, :, :n].to(dk.dtype), cos, sin, out=dk)
+    dv.copy_(dkv[:, :, n:])
+
+
 def _attention_grads(spec, kv: GatheredKV, s: OwnerSaved, do: Tensor, dg_acc: list[Tensor | None],
-                     finish: bool, dk: Tensor | None, dv: Tensor, acc_dtype) -> Tensor:
+                     finish: bool, dk: Tensor | None, dv: Tensor, acc_dtype, rope: tuple[Tensor, Tensor] | None
+                     ) -> Tensor:
     """Owner j's attention backward; returns dq [B, L, nq, d]. dK/dV over the gathered buffer accumulate in
     ``dg_acc`` (one fp32 buffer per bucket, shared by the owners of a KV group); with ``finish`` (the group's last
-    owner) each bucket's sum is reduce-scattered to the token owners right away, into ``dk``/``dv`` [B, L, nkv, d]."""
+    owner) each bucket's sum is reduce-scattered to the token owners right away, into ``dk``/``dv`` [B, L, nkv, d]
+    (dK through RoPE's backward with ``rope`` = (cos, sin), as it is, to go on through the k norm, without)."""
     dq = torch.empty_like(s.q)
     for i, (kvs, qs) in enumerate(spec.buckets()):
         g = kv.bucket(i)
@@ -650,8 +666,7 @@ def _attention_grads(spec, kv: GatheredKV, s: OwnerSaved, do: Tensor, dg_acc: li
         if finish:
             dkv = scatter_kv_grad(dg, spec.tsp)  # fp32, summed over the group
             del dg
-            dk[:, :, kvs] = dkv[:, :, :n]
-            dv[:, :, kvs] = dkv[:, :, n:]
+            kv_grad_into(dk[:, :, kvs], dv[:, :, kvs], dkv, *(rope or (None, None)))
         else:
             dg_acc[i] = dg
     return dq
@@ -702,18 +717,21 @@ def broadcast_attention_backward(spec: _AttnSpec, dy: Tensor, x: Tensor, cos: Te
         do = (dy2 @ view.w_o.T).view(b, l, nq, lay.head_dim)
         dqkv = torch.empty(b, l, nq + 2 * nkv, lay.head_dim, dtype=x.dtype, device=x.device)
         with_kv = lay.ends_group(j)  # the group's dK/dV are complete after this owner's queries
-        dk = torch.empty(b, l, nkv, lay.head_dim, dtype=x.dtype, device=x.device) if with_kv else None
-        dq = _attention_grads(spec, kv, s, do, dg_acc, with_kv, dk, dqkv[:, :, nq + nkv :], acc_dtype)
-        dq = apply_rope_backward(dq, cos, sin)
+        # without q/k norms RoPE's backward writes dq, dK straight into dqkv; with them they go on through the norms
+        dk = torch.empty(b, l, nkv, lay.head_dim, dtype=x.dtype, device=x.device) if with_kv and spec.qk_norm \
+            else dqkv[:, :, nq : nq + nkv]
+        dq = _attention_grads(spec, kv, s, do, dg_acc, with_kv, dk, dqkv[:, :, nq + nkv :], acc_dtype,
+                              rope=None if spec.qk_norm else (cos, sin))
         if spec.qk_norm:
-            dq = _rms_backward(spec, dq, s.q_raw, norms[0], d_norms[0], acc_dtype)
-        dqkv[:, :, :nq] = dq
-        if with_kv:  # dv needs no more work; dk goes back through RoPE and the k norm
+            dq = _rms_backward(spec, apply_rope_backward(dq, cos, sin), s.q_raw, norms[0], d_norms[0], acc_dtype)
+            dqkv[:, :, :nq] = dq
+        else:
+            apply_rope_backward(dq, cos, sin, out=dqkv[:, :, :nq])
+        if with_kv:
             kv = None
-            dk = apply_rope_backward(dk, cos, sin)
-            if spec.qk_norm:
-                dk = _rms_backward(spec, dk, grp.k_raw, norms[1], d_norms[1], acc_dtype)
-            dqkv[:, :, nq : nq + nkv] = dk
+            if spec.qk_norm:  # dk back through RoPE and the k norm (dv needed no more work)
+                dk = _rms_backward(spec, apply_rope_backward(dk, cos, sin), grp.k_raw, norms[1], d_norms[1], acc_dtype)
+                dqkv[:, :, nq : nq + nkv] = dk
         rows = lay.qkv_rows if with_kv else lay.q_rows
         dqkv2 = dqkv.view(b * l, lay.qkv_rows)[:, :rows]
         (matmul_into if j == 0 else add_matmul_)(dx, dqkv2, view.w_qkv[:rows])  # q (and k, v) input gradients

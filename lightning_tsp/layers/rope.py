@@ -281,6 +281,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @fused_on_cuda(rows_heads)
-def apply_rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The transpose of :func:`apply_rope` (a rotation by the opposite angle)."""
-    return grad * cos - _rotate_half(grad * sin)
+def apply_rope_backward(grad: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
+    """The transpose of :func:`apply_rope` (a rotation by the opposite angle); with ``out`` (a view of a larger
+    gradient buffer, say) written there in ``out``'s dtype and returned, with no intermediate tensor."""
+    d = grad * cos - _rotate_half(grad * sin)
+    return d if out is None else out.copy_(d)
