@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_tsp.kernels.attention import merge_pieces
-from lightning_tsp.layers.attention import kv_block
+from lightning_tsp.layers.attention import kv_block, kv_grad_into
 from lightning_tsp.layers.mlp import swiglu_backward
 from lightning_tsp.layers.norm import rms_norm
 from lightning_tsp.layers.rope import apply_rope, apply_rope_backward, rope_cos_sin
@@ -62,6 +62,40 @@ def test_compiled_piece_matches_eager(name):
     for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_writers_match_eager():
+    """The pieces that write into views of the projections' gradient [B, L, nq + 2 nkv, d] (the attention
+    backward): dq through RoPE (``apply_rope_backward(out=)``) and the summed dK/dV [B, L, 2 nkv, d] (dK through
+    RoPE, ``kv_grad_into``) land in their columns only, compiled as eager; eager kv_grad_into is the rounding to the
+    buffer's dtype, then RoPE's backward (bitwise)."""
+    g = torch.Generator().manual_seed(2)
+    cos, sin = rope_cos_sin(torch.arange(L), D, 10000.0, torch.float64)
+    cos, sin = cos[:, None], sin[:, None]
+    dq = torch.randn(B, L, NQ, D, generator=g, dtype=torch.float64)
+    dkv = torch.randn(B, L, 2 * NKV, D, generator=g, dtype=torch.float64)
+
+    def write(rope_bwd, into):
+        buf = torch.full((B, L, NQ + 2 * NKV, D), 7.0, dtype=torch.float64)
+        rope_bwd(dq, cos, sin, out=buf[:, :, :NQ])
+        into(buf[:, :, NQ:NQ + NKV], buf[:, :, NQ + NKV:], dkv, cos, sin)
+        return buf
+
+    want = write(apply_rope_backward.eager, kv_grad_into.eager)
+    torch.testing.assert_close(want[:, :, :NQ], apply_rope_backward.eager(dq, cos, sin), rtol=0, atol=0)
+    torch.testing.assert_close(want[:, :, NQ:NQ + NKV], apply_rope_backward.eager(dkv[:, :, :NKV], cos, sin),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(want[:, :, NQ + NKV:], dkv[:, :, NKV:], rtol=0, atol=0)
+    torch._dynamo.reset()
+    got = write(torch.compile(apply_rope_backward.eager, fullgraph=True),
+                torch.compile(kv_grad_into.eager, fullgraph=True))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    low = torch.empty(B, L, 2 * NKV, D, dtype=torch.bfloat16)  # fp32 sums into a bf16 buffer: rounded first
+    kv_grad_into.eager(low[:, :, :NKV], low[:, :, NKV:], dkv.float(), cos.bfloat16(), sin.bfloat16())
+    assert torch.equal(low[:, :, :NKV], apply_rope_backward.eager(dkv[:, :, :NKV].float().bfloat16(), cos.bfloat16(),
+                                                                  sin.bfloat16()))
+    assert torch.equal(low[:, :, NKV:], dkv[:, :, NKV:].float().bfloat16())
 
 
 def test_token_rules():
