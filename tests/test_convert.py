@@ -489,3 +489,42 @@ def test_trainer_fits_hugging_face_llama_like_single_process(tmp_path):
     want = _hf_reference_curve(path, make_dataset(None, B * STEPS))
     assert want[-1] < want[0], "the reference did not learn: the comparison proves nothing"
     run_ranks(_trainer_worker, 2, path, want, timeout=160.0)
+
+
+def _family_shapes(d: int) -> dict:
+    """GQA whose heads and KV heads divide D (D = 3: 6 heads of 8 over 3 KV heads)."""
+    return {} if d == 2 else dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
+
+
+def _families_train_worker(rank: int, world_size: int, root: str) -> None:
+    import transformers
+
+    from lightning_tsp.convert.hf import TSPCausalLM
+
+    tsp = world_tsp()
+    for family in FAMILIES:
+        path = os.path.join(root, family)
+        model = TSPCausalLM.from_pretrained(path, tsp, dtype=torch.float64)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        hf.config._attn_implementation = "sdpa"
+        ids, labels = batch(model.cfg, B, S)
+        loss = model(**dict(zip(("input_ids", "targets", "position_ids"), model.shard_batch(ids, labels)))).loss
+        loss.backward()
+        want = hf(input_ids=ids, labels=labels)
+        want.loss.backward()
+        tag = f"{family} D={world_size} rank {rank}"
+        assert_close(f"{tag} loss vs HF", loss.detach(), want.loss.detach(), HF_RTOL)
+        grads = full_grads(model)
+        for name, p in hf.named_parameters():
+            assert_close(f"{tag} grad {name} vs HF", grads[name], p.grad, HF_RTOL)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("d", [2, 3])
+def test_every_family_trains_like_hugging_face(d, tmp_path):
+    """Loss and every gradient of each family loaded with from_pretrained at D = 2 and 3 (GQA; Qwen2's biases and
+    Qwen3's q/k norms with tied embeddings perturbed away from their init) equal Hugging Face's on the full batch."""
+    for family in FAMILIES:
+        _save(hf_model(family, tie_word_embeddings=family == "Qwen3", **_family_shapes(d)), str(tmp_path / family),
+              "10MB")
+    run_distributed(_families_train_worker, d, str(tmp_path), timeout=180.0)

@@ -650,7 +650,7 @@ def _attention_grads(spec, kv: GatheredKV, s: OwnerSaved, do: Tensor, dg_acc: li
     """Owner j's attention backward; returns dq [B, L, nq, d]. dK/dV over the gathered buffer accumulate in
     ``dg_acc`` (one fp32 buffer per bucket, shared by the owners of a KV group); with ``finish`` (the group's last
     owner) each bucket's sum is reduce-scattered to the token owners right away, into ``dk``/``dv`` [B, L, nkv, d]
-    (dK through RoPE's backward with ``rope`` = (cos, sin), as it is, to go on through the k norm, without)."""
+    (dK through RoPE's backward when ``rope`` = (cos, sin) is given; without, as it is, for the k norm's backward)."""
     dq = torch.empty_like(s.q)
     for i, (kvs, qs) in enumerate(spec.buckets()):
         g = kv.bucket(i)
