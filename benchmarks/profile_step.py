@@ -1,37 +1,51 @@
 """Where a training step's time goes: one harness configuration (benchmarks.harness options), one warm-up
 step, one step under torch.profiler. Prints the GPU kernels by total time, the GPU busy time against the wall
 time (the difference is time the GPU waited for the host), and the kernel count; with ``--ops N`` also the N aten
-ops with the most GPU time by input shapes and by source lines (where the time comes from).
+ops with the most GPU time by input shapes and by source lines (where the time comes from); with ``--gaps N`` also
+where the GPU waits for the host: the N longest GPU idle gaps in the step (>= 20 us) with the GPU work around each
+and the CPU op and Python frame that launched the work after it, and the idle time by launching op (the profiled
+step then records Python stacks, which slows the host: compare with the unprofiled step time printed first;
+``--no-stacks`` leaves them out).
 
     python -m benchmarks.profile_step --strategy tsp --model paper-7b --layers 2 --seq-len 131072 --world 8
+    python -m benchmarks.profile_step --strategy tsp --model paper-7b --seq-len 16384 --world 8 \
+        --checkpointing keep-attention --cuda-graphs auto --gaps 25
 
 Fake process group as in the harness: communication excluded.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 
 from benchmarks import harness
+from benchmarks.gaps import STEP, format_gaps, idle_gaps
 
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    counts = {"--top": 25, "--ops": 0}  # --ops N: also the N aten ops with the most GPU time, by shape and source
+    # --ops N: also the N aten ops with the most GPU time, by shape and source; --gaps N: also the N longest GPU
+    # idle gaps and what launched the work after them
+    counts = {"--top": 25, "--ops": 0, "--gaps": 0}
     for flag in counts:
         if flag in argv:
             i = argv.index(flag)
             counts[flag] = int(argv[i + 1])
             del argv[i : i + 2]
-    top, ops = counts["--top"], counts["--ops"]
+    top, ops, gaps = counts["--top"], counts["--ops"], counts["--gaps"]
+    stacks = "--no-stacks" not in argv  # --no-stacks: gaps without Python frames (the host runs at full speed)
+    argv = [a for a in argv if a != "--no-stacks"]
     args = harness.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from benchmarks.baselines import build
@@ -50,9 +64,10 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=ops > 0,
-                 with_stack=ops > 0) as prof:
-        runner.step()
-        torch.cuda.synchronize()
+                 with_stack=ops > 0 or (gaps > 0 and stacks)) as prof:
+        with record_function(STEP) if gaps else nullcontext():  # the step's CPU bounds, as the unprofiled wall
+            runner.step()
+            torch.cuda.synchronize()
     per_kernel = defaultdict(lambda: [0.0, 0])
     busy_intervals = []
     for ev in prof.events():
@@ -80,6 +95,13 @@ def main(argv=None) -> None:
         print(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=ops, max_name_column_width=40,
                                                                  max_shapes_column_width=100))
         print(prof.key_averages(group_by_stack_n=6).table(sort_by=sort, row_limit=ops, max_src_column_width=200))
+    if gaps:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        print("\n" + format_gaps(idle_gaps(trace, gaps)))
     dist.destroy_process_group()
 
 
