@@ -88,7 +88,11 @@ class LayerGraphs:
     # ---- per step --------------------------------------------------------------------------------------------
 
     def _storage(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for i in range(len(self.layers)) for t in self.params(i))
+        """Where the parameters' local tensors live (the graphs read them there). Under no_grad: a DTensor's
+        differentiable ``to_local`` costs tens of microseconds of host time each, and this runs before every step's
+        first graph, while the GPU waits."""
+        with torch.no_grad():
+            return tuple(t.data_ptr() for i in range(len(self.layers)) for t in self.params(i))
 
     def begin_step(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Start a forward pass: decide eager warm-up / capture / replay; the rotary tables the layers must use."""
