@@ -15,10 +15,12 @@ from lightning_tsp.schedules.comm import local_tensor
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
 
 
-def _in_shard(ids: Tensor, lo: int, n: int) -> tuple[Tensor, Tensor]:
-    """(mask of ids in [lo, lo+n), row index clamped into the shard) without a host sync."""
-    mask = (ids >= lo) & (ids < lo + n)
-    return mask, (ids - lo).clamp(0, n - 1)
+def split_ids(ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """(vocab shard, row inside it) of every id for shards of ``n`` rows, once per ring (each hop then needs one
+    comparison, ``shard == s``), without a host sync. An id no shard holds (``IGNORE_INDEX``, negative) gets a
+    shard no rank has and a valid row."""
+    shard = torch.div(ids, n, rounding_mode="floor")
+    return shard, ids - shard * n
 
 
 class RingEmbedding(torch.autograd.Function):
@@ -26,9 +28,9 @@ class RingEmbedding(torch.autograd.Function):
     def forward(ctx, ids, weight, tsp: TSPGroup, dtype: torch.dtype):
         v_loc, h = weight.shape
         out = torch.zeros(*ids.shape, h, dtype=dtype, device=weight.device)
+        shard, rows = split_ids(ids, v_loc)
         for s, w in ring_shards(tsp, weight.to(dtype)):
-            mask, rows = _in_shard(ids, s * v_loc, v_loc)
-            out += torch.where(mask.unsqueeze(-1), w[rows], 0)
+            out += torch.where((shard == s).unsqueeze(-1), w[rows], 0)
         ctx.tsp = tsp
         ctx.save_for_backward(ids, weight)
         return out
@@ -40,9 +42,9 @@ class RingEmbedding(torch.autograd.Function):
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         flat_ids, dflat = ids.reshape(-1), dout.reshape(-1, h).to(acc_dtype)
         ring = RingGradPass(ctx.tsp, None, weight.numel(), weight.device, acc_dtype, in_place=True)
+        shard, rows = split_ids(flat_ids, v_loc)
         for s, _, take in ring:
-            mask, rows = _in_shard(flat_ids, s * v_loc, v_loc)
-            src = dflat * mask.unsqueeze(-1)
+            src = dflat * (shard == s).unsqueeze(-1)
             acc, fresh = take()  # the left neighbour's sum for shard s: this rank's rows are added into it
             if fresh:
                 acc.zero_()

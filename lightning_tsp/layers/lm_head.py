@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_tsp.group import TSPGroup
-from lightning_tsp.layers.embedding import _in_shard
+from lightning_tsp.layers.embedding import split_ids
 from lightning_tsp.schedules.comm import local_tensor
 from lightning_tsp.kernels.gemm import add_matmul_, matmul_into
 from lightning_tsp.schedules.ring import RingGradPass, ring_shards
@@ -36,8 +36,9 @@ class RingCrossEntropy(torch.autograd.Function):
         run_max = torch.full((b * l,), float("-inf"), dtype=acc, device=x.device)
         run_sum = torch.zeros(b * l, dtype=acc, device=x.device)
         target_logit = torch.zeros(b * l, dtype=acc, device=x.device)
+        shard, cols = split_ids(t, v_loc)
         for s, w in ring_shards(tsp, weight.to(x.dtype)):
-            mask, cols = _in_shard(t, s * v_loc, v_loc)
+            mask = shard == s
             for c in range(0, b * l, token_chunk):
                 rows = slice(c, c + token_chunk)
                 logits = (x2[rows] @ w.T).to(acc)  # [n, V/D]
@@ -66,8 +67,9 @@ class RingCrossEntropy(torch.autograd.Function):
         g = torch.where(t != IGNORE_INDEX, dloss.reshape(-1).to(acc_dtype), 0)
         dx = torch.zeros(b * l, h, dtype=acc_dtype, device=x.device)
         ring = RingGradPass(tsp, weight.to(x.dtype), weight.numel(), x.device, acc_dtype, in_place=True)
+        shard, cols = split_ids(t, v_loc)
         for s, w, take in ring:
-            mask, cols = _in_shard(t, s * v_loc, v_loc)
+            mask = shard == s
             acc = None
             for c in range(0, b * l, token_chunk):
                 rows = slice(c, c + token_chunk)
