@@ -133,15 +133,16 @@ def idle_gaps(trace: dict, n: int, min_us: float = 20.0) -> dict:
     }
 
 
-def format_gaps(result: dict) -> str:
-    """``idle_gaps``'s result as markdown: a totals line, the longest gaps, the idle time by launcher."""
+def format_gaps(result: dict, stacks: bool = True) -> str:
+    """``idle_gaps``'s result as markdown: a totals line, the longest gaps, the idle time by launcher
+    (``stacks``: whether the profile recorded Python stacks, which slow the host)."""
 
     def cell(s: str | None) -> str:
         return "" if s is None else s.replace("|", "\\|")
 
     r = result
     lines = [
-        f"GPU idle: step {r['step_us'] / 1e3:.3f} ms profiled (with stacks), busy {r['busy_us'] / 1e3:.3f} ms, "
+        f"GPU idle: step {r['step_us'] / 1e3:.3f} ms profiled ({'with' if stacks else 'without'} stacks), busy {r['busy_us'] / 1e3:.3f} ms, "
         f"idle {r['idle_us'] / 1e3:.3f} ms ({r['idle_us'] / max(r['step_us'], 1e-9):.1%}: start "
         f"{r['start_idle_us'] / 1e3:.3f} ms, end {r['end_idle_us'] / 1e3:.3f} ms; {r['n_gaps']} gaps >= "
         f"{r['min_us']:g} us: {r['gap_us'] / 1e3:.3f} ms)",

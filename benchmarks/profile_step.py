@@ -71,7 +71,10 @@ def main(argv=None) -> None:
     per_kernel = defaultdict(lambda: [0.0, 0])
     busy_intervals = []
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+        # a record_function range shows on the GPU timeline too (the optimizer's "Optimizer.step#...", the step
+        # marker of --gaps): it spans host time, so it is neither a kernel nor GPU-busy time
+        annotation = getattr(ev, "is_user_annotation", False) or ev.name.startswith("Optimizer.") or ev.name == STEP
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0 and not annotation:
             per_kernel[ev.name][0] += ev.device_time
             per_kernel[ev.name][1] += 1
             busy_intervals.append((ev.time_range.start, ev.time_range.end))
@@ -101,7 +104,7 @@ def main(argv=None) -> None:
             prof.export_chrome_trace(path)
             with open(path) as f:
                 trace = json.load(f)
-        print("\n" + format_gaps(idle_gaps(trace, gaps)))
+        print("\n" + format_gaps(idle_gaps(trace, gaps), stacks))
     dist.destroy_process_group()
 
 
