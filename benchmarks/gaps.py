@@ -142,7 +142,8 @@ def format_gaps(result: dict, stacks: bool = True) -> str:
 
     r = result
     lines = [
-        f"GPU idle: step {r['step_us'] / 1e3:.3f} ms profiled ({'with' if stacks else 'without'} stacks), busy {r['busy_us'] / 1e3:.3f} ms, "
+        f"GPU idle: step {r['step_us'] / 1e3:.3f} ms profiled ({'with' if stacks else 'without'} stacks), "
+        f"busy {r['busy_us'] / 1e3:.3f} ms, "
         f"idle {r['idle_us'] / 1e3:.3f} ms ({r['idle_us'] / max(r['step_us'], 1e-9):.1%}: start "
         f"{r['start_idle_us'] / 1e3:.3f} ms, end {r['end_idle_us'] / 1e3:.3f} ms; {r['n_gaps']} gaps >= "
         f"{r['min_us']:g} us: {r['gap_us'] / 1e3:.3f} ms)",

@@ -329,6 +329,25 @@ def measure(args) -> dict:
     return finalize(row)
 
 
+def gpu_runner(args):
+    """The configuration as rank ``args.rank`` of a fake group on this GPU, its optimizer states allocated (for the
+    profiling tools; :func:`measure` builds its own, on CPU too, and reports failures in the row)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks.baselines import build
+    from benchmarks.baselines.common import prime_optimizer
+
+    cfg = model_config(args)
+    torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    runner = build(make_setup(args, cfg, "cuda"))
+    prime_optimizer(runner)
+    return runner
+
+
 def profile_step(step, cuda: bool) -> dict:
     """One more step under torch.profiler: GPU busy seconds (the union of the kernels' intervals: time the GPU did
     not wait for the host) and the number of kernels."""

@@ -9,7 +9,6 @@ the time the GPU finishes them, then one whole step under cProfile (host time by
 from __future__ import annotations
 
 import cProfile
-import os
 import pstats
 import sys
 import time
@@ -18,20 +17,10 @@ from benchmarks import harness
 
 
 def main(argv=None) -> None:
-    args = harness.parse_args(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    runner = harness.gpu_runner(harness.parse_args(sys.argv[1:] if argv is None else argv))
     import torch
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from benchmarks.baselines import build
-    from benchmarks.baselines.common import prime_optimizer
-
-    cfg = harness.model_config(args)
-    torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
-    runner = build(harness.make_setup(args, cfg, "cuda"))
-    prime_optimizer(runner)
     for _ in range(3):  # warm-up (with cuda_graphs: eager, capture, replay)
         runner.step()
     torch.cuda.synchronize()

@@ -42,20 +42,11 @@ def main(argv=None) -> None:
     stacks = "--no-stacks" not in argv  # --no-stacks: gaps without Python frames (the host runs at full speed)
     argv = [a for a in argv if a != "--no-stacks"]
     args = harness.parse_args(argv)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    runner = harness.gpu_runner(args)
+    cfg = harness.model_config(args)
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from benchmarks.baselines import build
-    from benchmarks.baselines.common import prime_optimizer
-
-    cfg = harness.model_config(args)
-    torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
-    runner = build(harness.make_setup(args, cfg, "cuda"))
-    prime_optimizer(runner)
 
     for _ in range(3):  # warm-up (cuda_graphs: eager), a second warm-up (cuda_graphs: the capture), then a timing
         torch.cuda.synchronize()
