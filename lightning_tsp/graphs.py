@@ -20,7 +20,8 @@ Static buffers: layer 0's input and the top layer's output gradient are copied i
 neighbouring graph's output in place; the rotary tables are copied once per step. What a forward keeps for its
 backward (the layer input and, with ``keep-attention``, the attention outputs) stays in the pool until then.
 Parameters are read in place (the optimizer updates them in place); their gradients come out of the backward
-graph and are handed to autograd, which accumulates them as in any backward.
+graph (into buffers shared by the layers of the same shapes; the gated MLP's ring writes its own there directly)
+and are handed to autograd, which accumulates them as in any backward.
 
 ``cuda_graphs="auto"`` graphs only where it pays and can run (CUDA, ``full`` / ``keep-attention``, dense layers, no
 packed documents, at most :data:`GRAPHED_MAX_TOKENS` local tokens) and runs every other step eagerly.
@@ -32,7 +33,7 @@ second forward before the first one's backward overwrites the graph's buffers: t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +42,9 @@ from torch import Tensor
 
 from lightning_tsp.kernels.fused import compiled_at_any_length as _graphed_region
 from lightning_tsp.layers.attention import AttentionStash
+from lightning_tsp.layers.mlp import TSPGatedMLP
 from lightning_tsp.offload import rerunning, stashing
-from lightning_tsp.schedules.comm import local_tensor
+from lightning_tsp.schedules.comm import local_tensor, unpack
 
 GRAPHED_CHECKPOINTING = ("full", "keep-attention")  # the modes whose layers are graphed
 # cuda_graphs="auto" graphs a step of at most this many local tokens (B x S/D): below it the eager step is
@@ -80,7 +82,7 @@ class LayerGraphs:
         self.capturing = False
         self.storage: tuple[int, ...] = ()
         self.dx_buffers: list[Tensor] = []  # outside the graphs' pool (allocated before their captures)
-        self.grad_buffers: dict[tuple, list[Tensor]] = {}
+        self.grad_buffers: dict[tuple, tuple[Tensor | None, list[Tensor]]] = {}
         self.cos: Tensor | None = None
         self.sin: Tensor | None = None
         self.autocast: tuple[bool, torch.dtype] = (False, torch.float32)
@@ -127,12 +129,18 @@ class LayerGraphs:
             self.dx_buffers = [torch.empty_like(x) for _ in range(2)]
         return self.dx_buffers[i % 2]
 
-    def _grad_buffers(self, leaves: list[Tensor]) -> list[Tensor]:
+    def _grad_buffers(self, leaves: list[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
         """Where a backward graph leaves its parameter gradients: one set for all layers of the same shapes (each
-        backward's gradients are copied out for autograd right after its replay, before the next one runs)."""
+        backward's gradients are copied out for autograd right after its replay, before the next one runs). With
+        one dtype: (one flat buffer, a view of it per parameter), so a run of parameters can be written at once;
+        else (None, one buffer per parameter)."""
         key = tuple((tuple(t.shape), t.dtype) for t in leaves)
         if key not in self.grad_buffers:
-            self.grad_buffers[key] = [torch.empty_like(t) for t in leaves]
+            if len({t.dtype for t in leaves}) == 1:
+                flat = torch.empty(sum(t.numel() for t in leaves), dtype=leaves[0].dtype, device=leaves[0].device)
+                self.grad_buffers[key] = flat, unpack(flat, [t.shape for t in leaves])
+            else:
+                self.grad_buffers[key] = None, [torch.empty_like(t) for t in leaves]
         return self.grad_buffers[key]
 
     # ---- forward and backward of one layer --------------------------------------------------------------------
@@ -183,7 +191,8 @@ class LayerGraphs:
                     else None
                 e.dy = dy if above is not None and dy.data_ptr() == above.data_ptr() else dy.clone()
                 dy = e.dy
-                out = [self._dx_buffer(i, e.x)] + self._grad_buffers(leaves)
+                flat, bufs = self._grad_buffers(leaves)
+                out = [self._dx_buffer(i, e.x)] + bufs
             names = [n for n, _ in layer.named_parameters()]
             x = e.x.detach().requires_grad_()
             stash = None
@@ -192,13 +201,15 @@ class LayerGraphs:
                 stash.items, stash.replaying = list(e.kept), True
             enabled, dtype = self.autocast
             cos, sin = (self.cos, self.sin) if self.cos is not None else (e.cos, e.sin)
+            into = _gradients_into(layer, flat, leaves) if g is not None else nullcontext()
             with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled), \
-                    rerunning(layer, stash), _graphed_region(), self._graph(g):
+                    rerunning(layer, stash), into, _graphed_region(), self._graph(g):
                 y, _ = torch.func.functional_call(layer, dict(zip(names, leaves)), (x, cos, sin, None))
                 grads = torch.autograd.grad(y, [x] + leaves, dy)
                 if g is not None:  # into the shared buffers: the graph's own results are freed for the next captures
                     for buf, grad in zip(out, grads):
-                        buf.copy_(grad)
+                        if not _same(buf, grad):  # (the MLP's gradients are there already)
+                            buf.copy_(grad)
             if stash is not None and stash.items:
                 raise RuntimeError("cuda_graphs: the recomputation did not replay every attention output")
             if g is None:  # warm-up: nothing is kept
@@ -210,6 +221,30 @@ class LayerGraphs:
             e.dy.copy_(dy)
         e.bwd.replay()
         return e.grads
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+@contextmanager
+def _gradients_into(layer: nn.Module, flat: Tensor | None, leaves: list[Tensor]):
+    """While a layer's backward is captured: its gated MLP writes the gate/up/down weight gradients straight into
+    their part of the graph's gradient buffer ``flat`` (views per parameter, in ``layer.parameters()`` order), so
+    the graph copies none of them (75% of a Llama layer's parameters)."""
+    mlp = getattr(layer, "mlp", None)
+    params = list(layer.parameters())
+    own = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight] if isinstance(mlp, TSPGatedMLP) else []
+    at = [next((i for i, p in enumerate(params) if p is q), -1) for q in own]
+    if flat is None or not own or at != list(range(at[0], at[0] + 3)):  # not one run in the ring's packed order
+        yield
+        return
+    start = sum(t.numel() for t in leaves[: at[0]])
+    mlp.grad_into = flat[start : start + sum(leaves[i].numel() for i in at)]
+    try:
+        yield
+    finally:
+        mlp.grad_into = None
 
 
 class _GraphedLayer(torch.autograd.Function):

@@ -11,7 +11,10 @@ import torch
 
 from lightning_tsp import TSPLlama
 from lightning_tsp.checks import TSPConfigError
+from lightning_tsp.graphs import LayerGraphs, _gradients_into
+from lightning_tsp.layers.mlp import TSPGatedMLP
 from lightning_tsp.models.llama import ModelConfig
+from lightning_tsp.schedules.comm import local_tensor, unpack
 from tests.dist_utils import run_distributed
 from tests.reference import assert_close, batch, full_grads, world_tsp
 
@@ -86,3 +89,46 @@ def test_cuda_graphs_settings_refused() -> None:
     packed = torch.cat([torch.arange(S // 2), torch.arange(S // 2)]).unsqueeze(0)  # two documents
     with pytest.warns(UserWarning), pytest.raises(TSPConfigError, match="packed documents"):
         model(ids, ids, packed)
+
+
+def _mlp_gradients_into(rank: int, world: int) -> None:
+    """``TSPGatedMLP.grad_into`` (set while a layer's backward is captured): the ring leaves the gate/up/down weight
+    gradients in that buffer, bit for bit those of the plain backward, and hands autograd views of it."""
+    tsp = world_tsp()
+    for weight_grads in ("ring", "owners"):
+        for rerun in (False, True):  # a plain forward's backward; a checkpointed layer's re-run (no forward ring)
+            torch.manual_seed(0)
+            mlp = TSPGatedMLP(12, 6 * world, tsp, dtype=torch.float64, weight_grads=weight_grads)
+            x = torch.randn(2, 5, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+            dy = torch.randn(2, 5, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+            ws = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+            mlp.rerun = rerun
+            want = torch.autograd.grad(mlp(x), ws, dy)
+            into = torch.full((sum(w.numel() for w in ws),), float("nan"), dtype=torch.float64)
+            mlp.grad_into = into
+            got = torch.autograd.grad(mlp(x), ws, dy)
+            tag = f"D={world} {weight_grads} rerun={rerun}"
+            for w, g, piece in zip(want, got, unpack(into, [w.shape for w in ws])):
+                assert torch.equal(g, w), tag
+                assert g.data_ptr() == piece.data_ptr() and g.stride() == piece.stride(), f"{tag}: not a view of into"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_mlp_gradients_into(world: int) -> None:
+    run_distributed(_mlp_gradients_into, world, timeout=120)
+
+
+def test_gradients_into_covers_the_mlp_run() -> None:
+    """While a backward is captured, the MLP's ``grad_into`` is the part of the layer's flat gradient buffer that the
+    gate/up/down parameters' views cover, and it is cleared after."""
+    model = TSPLlama(_cfg(1), activation_checkpointing="keep-attention", dtype=torch.float64)
+    layer = model.model.layers[0]
+    leaves = [local_tensor(p).detach() for p in layer.parameters()]
+    flat, bufs = LayerGraphs([layer], True, (), capture=False)._grad_buffers(leaves)
+    names = [n for n, _ in layer.named_parameters()]
+    mine = [bufs[names.index(f"mlp.{p}_proj.weight")] for p in ("gate", "up", "down")]
+    with _gradients_into(layer, flat, leaves):
+        into = layer.mlp.grad_into
+        views = unpack(into, [t.shape for t in mine])
+        assert all(v.data_ptr() == b.data_ptr() and v.shape == b.shape for v, b in zip(views, mine))
+    assert layer.mlp.grad_into is None

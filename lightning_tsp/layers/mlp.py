@@ -70,17 +70,21 @@ def pack_shard(w_gate: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype)
 class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, w_gate, w_up, w_down, tsp: TSPGroup, dtype: torch.dtype, recompute: bool = False,
-                gradients_only: bool = False, save: bool = True, weight_grads: str = "auto"):
+                gradients_only: bool = False, save: bool = True, weight_grads: str = "auto",
+                grad_into: Tensor | None = None):
         """``x_in`` in the residual stream's dtype (the norm's output), cast to the compute ``dtype`` here, so its
         gradient goes back in that dtype straight from the fp32 accumulator (no round trip through ``dtype``).
         ``gradients_only``: a checkpointed layer's re-run (see the module docstring); ``save``: False where no
-        backward will come (no grad mode: a checkpointed layer's first forward), so "keep" holds no pre-activations."""
+        backward will come (no grad mode: a checkpointed layer's first forward), so "keep" holds no pre-activations.
+        ``grad_into``: where backward leaves the shard's weight gradients, packed like the ring's message
+        (:attr:`TSPGatedMLP.grad_into`); the returned gradients are then views of it."""
         x = x_in.to(dtype)
         ctx.in_dtype = x_in.dtype
         b, l, h = x.shape
         x2 = x.reshape(b * l, h)
         f = w_gate.shape[0]  # F/D
         ctx.tsp, ctx.recompute, ctx.weight_grads = tsp, recompute or gradients_only, weight_grads
+        ctx.grad_into = grad_into
         if gradients_only:
             # a checkpointed layer's re-run in backward: its output is never read, only differentiated, so the
             # forward ring does not run; backward recomputes each shard's gate/up as the shard comes round
@@ -111,13 +115,15 @@ class RingMLP(torch.autograd.Function):
         x2, dy2 = x.reshape(b * l, h), dy.reshape(b * l, h).to(x.dtype)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         local = pack_shard(w_gate, w_up, w_down, x.dtype)
+        into = ctx.grad_into if all(w.dtype == acc_dtype for w in (w_gate, w_up, w_down)) else None
+        ctx.grad_into = None
         if mlp_grads_by_owners(ctx.weight_grads, b * l, h, f, tsp.size, x.element_size(), acc_dtype.itemsize):
-            dx, grad = _backward_by_owners(tsp, x2, dy2, local, saved, ctx.recompute, acc_dtype)
+            dx, grad = _backward_by_owners(tsp, x2, dy2, local, saved, ctx.recompute, acc_dtype, into)
         else:
-            dx, grad = _backward_ring(tsp, x2, dy2, local, saved, ctx.recompute, acc_dtype)
+            dx, grad = _backward_ring(tsp, x2, dy2, local, saved, ctx.recompute, acc_dtype, into)
         shapes = [w_gate.shape, w_up.shape, w_down.shape]
         d_w = [g.to(w.dtype) for g, w in zip(unpack(grad, shapes), (w_gate, w_up, w_down))]
-        return (dx.view(b, l, h).to(ctx.in_dtype), *d_w, None, None, None, None, None, None)
+        return (dx.view(b, l, h).to(ctx.in_dtype), *d_w, None, None, None, None, None, None, None)
 
 
 def _shard_step(t, s, buf, x2, dy2, saved, recompute, dx):
@@ -132,13 +138,14 @@ def _shard_step(t, s, buf, x2, dy2, saved, recompute, dx):
     return d_gu, hid
 
 
-def _backward_ring(tsp, x2, dy2, local, saved, recompute, acc_dtype):
-    """(dx, this rank's shard gradient): the accumulator of each shard travels with it (:class:`RingGradPass`)."""
+def _backward_ring(tsp, x2, dy2, local, saved, recompute, acc_dtype, into=None):
+    """(dx, this rank's shard gradient, in ``into`` when given): the accumulator of each shard travels with it
+    (:class:`RingGradPass`)."""
     n, h = x2.shape
     f = local.numel() // (3 * h)
     dx = torch.empty(n, h, dtype=acc_dtype, device=x2.device)  # the first step's GEMM writes it whole
     # the accumulator of a shard's gradient travels with it: [dWg; dWu] [2F/D, h], then dWd [h, F/D]
-    ring = RingGradPass(tsp, local, local.numel(), x2.device, acc_dtype, in_place=True)
+    ring = RingGradPass(tsp, local, local.numel(), x2.device, acc_dtype, in_place=True, into=into)
     for t, (s, buf, take) in enumerate(ring):
         d_gu, hid = _shard_step(t, s, buf, x2, dy2, saved, recompute, dx)
         acc, fresh = take()  # the left neighbour's sum for shard s arrives while the GEMMs above run
@@ -149,8 +156,8 @@ def _backward_ring(tsp, x2, dy2, local, saved, recompute, acc_dtype):
     return dx, ring.grad
 
 
-def _backward_by_owners(tsp, x2, dy2, local, saved, recompute, acc_dtype):
-    """(dx, this rank's shard gradient): the weights circulate as in the forward ring; the gate/up and hidden
+def _backward_by_owners(tsp, x2, dy2, local, saved, recompute, acc_dtype, into=None):
+    """(dx, this rank's shard gradient, in ``into`` when given): the weights circulate as in the forward ring; the gate/up and hidden
     gradients of this rank's tokens for shard s go to s's owner, which multiplies the gathered inputs and output
     gradients of all D ranks' tokens by them: one GEMM per weight, K = all tokens, fp32 written once."""
     d, r = tsp.size, tsp.rank
@@ -174,7 +181,7 @@ def _backward_by_owners(tsp, x2, dy2, local, saved, recompute, acc_dtype):
     for w in works:
         w.wait()
     del in_flight
-    grad = torch.empty(local.numel(), dtype=acc_dtype, device=x2.device)
+    grad = torch.empty(local.numel(), dtype=acc_dtype, device=x2.device) if into is None else into
     matmul_into(grad[: 2 * f * h].view(2 * f, h), d_gu_own.view(d * n, 2 * f).T, x_all)  # [dWg; dWu]
     matmul_into(grad[2 * f * h :].view(h, f), dy_all.T, hid_own.view(d * n, f))  # dWd
     return dx, grad
@@ -195,6 +202,9 @@ class TSPGatedMLP(nn.Module):
         self.tsp, self.recompute, self.weight_grads = tsp, activations == "recompute", weight_grads
         # set while a checkpointed layer is re-run in backward (:func:`lightning_tsp.offload.rerunning`)
         self.rerun = False
+        # set while a CUDA graph of the layer's backward is captured (:mod:`lightning_tsp.graphs`): the graph's
+        # buffer for the gate/up/down gradients, one flat fp32 tensor in the ring message's layout
+        self.grad_into: Tensor | None = None
         f = intermediate_size // tsp.size
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, f, **kw)
@@ -206,4 +216,5 @@ class TSPGatedMLP(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             w = [local_tensor(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
             grad = torch.is_grad_enabled()
-            return RingMLP.apply(x, *w, self.tsp, dtype, self.recompute, self.rerun and grad, grad, self.weight_grads)
+            return RingMLP.apply(x, *w, self.tsp, dtype, self.recompute, self.rerun and grad, grad, self.weight_grads,
+                                 self.grad_into if grad else None)

@@ -24,10 +24,11 @@ from lightning_tsp.group import TSPGroup
 
 
 class _Shift:
-    """One ring hop in flight: send ``t`` to the right neighbour, receive the left neighbour's into a new buffer."""
+    """One ring hop in flight: send ``t`` to the right neighbour, receive the left neighbour's into ``recv`` (default:
+    a new buffer)."""
 
-    def __init__(self, tsp: TSPGroup, t: Tensor):
-        self.recv = torch.empty_like(t)
+    def __init__(self, tsp: TSPGroup, t: Tensor, recv: Tensor | None = None):
+        self.recv = torch.empty_like(t) if recv is None else recv
         right = tsp.global_rank((tsp.rank + 1) % tsp.size)
         left = tsp.global_rank((tsp.rank - 1) % tsp.size)
         ops = [dist.P2POp(dist.isend, t, right, tsp.group), dist.P2POp(dist.irecv, self.recv, left, tsp.group)]
@@ -84,11 +85,17 @@ class RingGradPass:
     apart, so each hop must land within one step whatever the order, and the last hop (into the owner) has no
     compute after it to hide behind. At most one hop of each kind in flight; at most three accumulators alive.
     ``tests/test_ring_order.py`` pins this order. Traffic: D-1 weight hops and D-1 accumulator hops per rank.
+
+    ``into``: where the complete gradient lands (``grad`` is then ``into``): the last accumulator hop receives into
+    it (at D = 1 it is the accumulator itself), so a caller with a destination of its own copies nothing.
     """
 
     def __init__(self, tsp: TSPGroup, local: Tensor | None, grad_numel: int, device, grad_dtype=torch.float32,
-                 overwrite: bool = False, in_place: bool = False):
-        self.tsp, self.local = tsp, local
+                 overwrite: bool = False, in_place: bool = False, into: Tensor | None = None):
+        if into is not None and (into.numel() != grad_numel or into.dtype != grad_dtype or not into.is_contiguous()):
+            raise ValueError(f"into: a contiguous {grad_dtype} buffer of {grad_numel} elements, got {into.dtype} "
+                             f"{tuple(into.shape)}")
+        self.tsp, self.local, self.into = tsp, local, into
         self.grad_numel, self.device, self.grad_dtype = grad_numel, device, grad_dtype
         self.new_part = torch.empty if overwrite or in_place else torch.zeros
         self.in_place = in_place
@@ -100,7 +107,9 @@ class RingGradPass:
     def __iter__(self) -> Iterator[tuple[int, Tensor | None, Tensor]]:
         d, r = self.tsp.size, self.tsp.rank
         if d == 1:
-            self.grad = self._fresh()
+            self.grad = self._fresh() if self.into is None else self.into
+            if self.into is not None and self.new_part is torch.zeros:
+                self.grad.zero_()
             yield 0, self.local, (lambda: (self.grad, True)) if self.in_place else self.grad
             return
         # Step t works on shard r-1-t, so the weights need one hop before the first step.
@@ -126,7 +135,8 @@ class RingGradPass:
                 yield s, cur, part
                 acc = part if incoming is None else incoming.result().add_(part)  # the first step starts the sum
             if t + 1 < d:
-                incoming = _Shift(self.tsp, acc)  # acc travels on while the next shard computes
+                # acc travels on while the next shard computes; the last hop lands in ``into``
+                incoming = _Shift(self.tsp, acc, self.into if t + 2 == d else None)
                 if cur is not None:
                     cur = nxt.result() if nxt is not None else self.local
         self.grad = acc
