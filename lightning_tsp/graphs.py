@@ -26,8 +26,9 @@ and are handed to autograd, which accumulates them as in any backward.
 ``cuda_graphs="auto"`` graphs only where it pays and can run (CUDA, ``full`` / ``keep-attention``, dense layers, no
 packed documents, at most :data:`GRAPHED_MAX_TOKENS` local tokens) and runs every other step eagerly.
 
-Constraints of ``cuda_graphs=True``: CUDA tensors, dense (non-MoE) layers, no packed documents, and one forward in flight per layer (a
-second forward before the first one's backward overwrites the graph's buffers: the stale backward raises).
+Constraints of ``cuda_graphs=True``: CUDA tensors, dense (non-MoE) layers, no packed documents, and one forward in
+flight per layer (a second forward before the first one's backward overwrites the graph's buffers: the stale
+backward raises).
 """
 
 from __future__ import annotations

@@ -157,9 +157,10 @@ def _backward_ring(tsp, x2, dy2, local, saved, recompute, acc_dtype, into=None):
 
 
 def _backward_by_owners(tsp, x2, dy2, local, saved, recompute, acc_dtype, into=None):
-    """(dx, this rank's shard gradient, in ``into`` when given): the weights circulate as in the forward ring; the gate/up and hidden
-    gradients of this rank's tokens for shard s go to s's owner, which multiplies the gathered inputs and output
-    gradients of all D ranks' tokens by them: one GEMM per weight, K = all tokens, fp32 written once."""
+    """(dx, this rank's shard gradient, in ``into`` when given): the weights circulate as in the forward ring; the
+    gate/up and hidden gradients of this rank's tokens for shard s go to s's owner, which multiplies the gathered
+    inputs and output gradients of all D ranks' tokens by them: one GEMM per weight, K = all tokens, fp32 written
+    once."""
     d, r = tsp.size, tsp.rank
     n, h = x2.shape
     f = local.numel() // (3 * h)
