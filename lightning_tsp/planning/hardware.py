@@ -30,15 +30,15 @@ HOST_SYNC_S = 50e-6  # one device-to-host read the host waits for (.tolist() of 
 # per MoE layer at 32K with full checkpointing: forward + recomputed forward + backward = 4 units of the row
 # sorting, gathers, count exchange and host syncs dispatch adds per pass (a backward pass counts twice).
 DISPATCH_PASS_S = 2.7e-3
-# MEASURED (H200, torch 2.11, fake process group, docs/cost-model.md "Step time", docs/results/compiled-rivals.jsonl):
-# TSP's step exceeds its FLOP time by about 0.54 ms per broadcast-schedule step or ring hop of one layer (its
-# forward, recomputed forward and backward together: the small per-shard elementwise kernels, copies and fp32 adds,
-# the optimizer step) once the host no longer bounds it (cuda_graphs="auto": graphed at 8K-32K, GPU-bound eager at
-# 64K-128K). Fitted to the paper 7B at D = 8, keep-attention, flash-attn 4, 8K-64K (residual 0.137 / 0.146 / 0.133 /
-# 0.126 ms per pass-unit, least squares 0.134); 128K comes out +14% (its attention runs faster than the preset's
-# attention rate). A backward pass counts twice: a quarter of it per pass. (The earlier 0.25 ms per pass-unit
-# described eager, host-bound steps at 16K-64K.)
-TSP_STEP_PASS_S = 0.134e-3
+# MEASURED (H200, torch 2.11, fake process group, docs/cost-model.md "Step time", docs/results/compiled-rivals.jsonl
+# rows "2026-12-07 session 41"): TSP's step exceeds its FLOP time by about 0.12 ms per broadcast-schedule step or
+# ring hop of one layer (its forward, recomputed forward and backward together: the small per-shard elementwise
+# kernels, copies and fp32 adds, the optimizer step) once the host no longer bounds it (cuda_graphs="auto"). Fitted
+# to the paper 7B at D = 8, keep-attention, flash-attn 4, 8K-128K, for the smallest largest relative error (-14% at
+# 8K, +14% at 128K; the residual per pass-unit falls from 0.05 ms at 8K-32K to below zero at 64K-128K, where the
+# measured GEMM and attention rates beat the preset's). A backward pass counts twice: a quarter of it per pass.
+# (Earlier fits: 0.134 ms to the 2026-12-04 steps, 0.25 ms to eager, host-bound ones.)
+TSP_STEP_PASS_S = 0.031e-3
 
 
 @dataclass(frozen=True)
